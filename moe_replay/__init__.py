@@ -1,0 +1,34 @@
+"""moe-replay: Routing Replay for reinforcement learning on Mixture-of-Experts language models.
+
+Example:
+    >>> from moe_replay import record_routes, replay_routes, Routes
+    >>> with record_routes(model) as rec:  # doctest: +SKIP
+    ...     out = model.generate(**batch, do_sample=True, return_dict_in_generate=True)
+    >>> with replay_routes(model, rec.routes):  # doctest: +SKIP
+    ...     logits = model(out.sequences).logits
+"""
+
+from .hooks import (
+    ReplayError,
+    UnsupportedGenerationError,
+    UnsupportedModelError,
+    find_routers,
+    record_routes,
+    replay_routes,
+)
+from .routes import LayerInfo, Routes, RoutesFileError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LayerInfo",
+    "ReplayError",
+    "Routes",
+    "RoutesFileError",
+    "UnsupportedGenerationError",
+    "UnsupportedModelError",
+    "__version__",
+    "find_routers",
+    "record_routes",
+    "replay_routes",
+]

@@ -1,0 +1,92 @@
+"""Find the routers of a Hugging Face MoE model by what they are: the classes its models register as router outputs.
+
+Every MoE family in transformers 5.x declares `_can_record_outputs["router_logits"] = OutputRecorder(RouterClass,
+index=i)` on its pretrained-model classes. The router modules are the instances of those classes; the index says which
+output holds the [N, E] router logits. Routing Replay intercepts the router's top-k selection inside the module that
+owns the router (the MoE block), which covers families that take the top-k outside the router module (DBRX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+# Router classes that cannot be replayed, with the reason. Everything else that registers router outputs is handled
+# by the generic top-k interception and tested family by family.
+UNSUPPORTED: dict[str, str] = {
+    "DogeCDMoE": (
+        "Doge routes with product keys whose logits are mixed across tokens of the batch (not causal), "
+        "so a token's experts depend on the other tokens and cannot be recorded per token"
+    ),
+    "PhimoeTopKRouter": (
+        "PhiMoE's sparsemixer picks experts with masked max calls and Gumbel sampling instead of a top-k; "
+        "its replay is not implemented yet"
+    ),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no router moe-replay can find, or its routing family cannot be recorded or replayed."""
+
+
+@dataclass(frozen=True)
+class RouterSite:
+    """One router: its qualified name, the router module, the module whose forward takes the top-k (`scope`), and the
+    position of the [N, E] router logits in the router's output (`logits_index`)."""
+
+    name: str
+    router: nn.Module
+    scope: nn.Module
+    logits_index: int
+
+
+def _router_recorders(model: nn.Module) -> list[tuple[type, int, str | None]]:
+    """(router class, logits output index, layer_name filter) registered by the model and its inner models."""
+    found: list[tuple[type, int, str | None]] = []
+    for module in model.modules():
+        spec = getattr(type(module), "_can_record_outputs", None)
+        if not isinstance(spec, dict) or "router_logits" not in spec:
+            continue
+        rec = spec["router_logits"]
+        target = getattr(rec, "target_class", rec)
+        entry = (target, int(getattr(rec, "index", 0) or 0), getattr(rec, "layer_name", None))
+        if isinstance(target, type) and entry not in found:
+            found.append(entry)
+    return found
+
+
+def find_routers(model: nn.Module) -> list[RouterSite]:
+    """List the MoE routers of `model` in module order, or raise UnsupportedModelError naming the classes involved.
+
+    Example:
+        >>> [site.name for site in find_routers(model)]  # doctest: +SKIP
+        ['model.layers.0.mlp.gate', 'model.layers.1.mlp.gate']
+    """
+    recorders = _router_recorders(model)
+    if not recorders:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} registers no router outputs (no `_can_record_outputs['router_logits']` on any "
+            "of its pretrained-model classes): it is not a transformers MoE model moe-replay recognises"
+        )
+    modules = dict(model.named_modules())
+    sites: list[RouterSite] = []
+    for name, module in modules.items():
+        for cls, index, layer_name in recorders:
+            if not isinstance(module, cls) or (layer_name is not None and not name.endswith(layer_name)):
+                continue
+            if type(module).__name__ in UNSUPPORTED:
+                raise UnsupportedModelError(
+                    f"{type(model).__name__}: router {name!r} ({type(module).__name__}) is not supported: "
+                    f"{UNSUPPORTED[type(module).__name__]}"
+                )
+            parent = modules[name.rpartition(".")[0]] if "." in name else model
+            sites.append(RouterSite(name, module, parent, index))
+            break
+    if not sites:
+        classes = ", ".join(sorted({cls.__name__ for cls, _, _ in recorders}))
+        raise UnsupportedModelError(f"{type(model).__name__} registers router classes ({classes}) but has no instances")
+    scopes = [id(s.scope) for s in sites]
+    if len(set(scopes)) != len(scopes):
+        raise UnsupportedModelError(f"{type(model).__name__}: two routers share one parent module; not supported")
+    return sites

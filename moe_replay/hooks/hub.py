@@ -1,0 +1,275 @@
+"""The one interception point: the top-k a router uses to select its experts.
+
+While the MoE block that owns a router runs, a TorchFunctionMode sees every `topk`. The selecting top-k is the one
+over the E router scores of each token (input [..., E] with N·E elements, N = tokens of the forward):
+
+- record: its indices are what the experts will use;
+- replay: it returns the recorded indices with values gathered from its own input (the live scores), so the family's
+  own weight rule runs on the live router output and the router keeps its gradient; replaying a model's own routes
+  is bit-exact. A group-limited top-k before it (DeepSeek-style `n_group` / `topk_group`) is steered to keep the
+  groups of the recorded experts, or their scores would be masked to zero.
+
+One hub per model holds the hooks for all active contexts, so that a recording nested in a replay sees the replayed
+experts; it is stored on the model and removed with the last context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .discover import RouterSite, find_routers
+from .steps import Step, StepTracker
+
+_HUB_ATTR = "_moe_replay_hub"
+_TOPK = {torch.topk, torch.Tensor.topk}
+
+
+class ReplayError(ValueError):
+    """Routes could not be applied to this model or this forward."""
+
+
+@dataclass
+class Plan:
+    """The routes one router call must use: `indices` [N, K] int64, `mask` [N] bool (False routes live)."""
+
+    indices: torch.Tensor
+    mask: torch.Tensor
+    num_experts: int
+    top_k: int
+    all_recorded: bool
+
+
+class Recorder(Protocol):
+    def record(self, layer: int, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
+
+
+class Replayer(Protocol):
+    def plan(self, layer: int, step: Step) -> Plan: ...
+
+
+@dataclass
+class _Call:
+    layer: int
+    step: Step
+    plan: Plan | None
+    record: bool
+    num_experts: int | None = None
+    replaced: int = 0
+    seen: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)  # (last dim, k, numel, indices)
+
+
+class _TopkMode(TorchFunctionMode):
+    def __init__(self, hub: RouterHub, call: _Call) -> None:
+        super().__init__()
+        self.hub, self.call = hub, call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func not in _TOPK:
+            return func(*args, **kwargs)
+        return self.hub._topk(self.call, func, args, kwargs)
+
+
+class RouterHub:
+    """Hooks on one model, shared by every active record/replay context on it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.sites: list[RouterSite] = find_routers(model)
+        self.tracker = StepTracker(model)
+        self.recorders: list[Recorder] = []
+        self.replayers: list[Replayer] = []
+        self.pending: list[list[Plan]] = [[] for _ in self.sites]  # plans to reuse in checkpoint recomputes
+        self._last_step: list[Step | None] = [None] * len(self.sites)
+        self._calls: list[_Call | None] = [None] * len(self.sites)
+        self._undo: list[Any] = []
+
+    # ---- lifetime ------------------------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, model: nn.Module, handler: Recorder | Replayer, *, replay: bool) -> RouterHub:
+        hub = model.__dict__.get(_HUB_ATTR)
+        if hub is None:
+            hub = cls(model)
+            hub._install()
+            model.__dict__[_HUB_ATTR] = hub
+        (hub.replayers if replay else hub.recorders).append(handler)
+        return hub
+
+    def detach(self, handler: Recorder | Replayer) -> None:
+        for group in (self.recorders, self.replayers):
+            if any(h is handler for h in group):
+                group[:] = [h for h in group if h is not handler]
+        if not self.recorders and not self.replayers:
+            self._uninstall()
+            self.model.__dict__.pop(_HUB_ATTR, None)
+
+    def _install(self) -> None:
+        handle = self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
+        self._undo.append(handle.remove)
+        for i, site in enumerate(self.sites):
+            handle = site.router.register_forward_hook(self._router_output_hook(i))
+            self._undo.append(handle.remove)
+            self._wrap_forward(i, site.scope)
+
+    def _uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _wrap_forward(self, i: int, scope: nn.Module) -> None:
+        had_own = "forward" in scope.__dict__
+        previous = scope.__dict__.get("forward")
+        inner = scope.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            call = self._begin(i)
+            with _TopkMode(self, call):
+                out = inner(*args, **kwargs)
+            self._end(call)
+            return out
+
+        scope.forward = forward
+
+        def undo() -> None:
+            if had_own:
+                scope.forward = previous
+            else:
+                del scope.forward
+
+        self._undo.append(undo)
+
+    # ---- hooks ---------------------------------------------------------------------------------------------
+    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.tracker.on_forward(args, kwargs)
+
+    def _router_output_hook(self, i: int):  # noqa: ANN202
+        index = self.sites[i].logits_index
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            call = self._calls[i]
+            if call is None:
+                return
+            logits = output[index] if isinstance(output, tuple | list) else output
+            call.num_experts = int(logits.shape[-1])
+
+        return hook
+
+    def _begin(self, i: int) -> _Call:
+        step = self.tracker.current
+        if step is None:
+            raise ReplayError(
+                f"router {self.sites[i].name!r} ran outside a forward of {type(self.model).__name__}: call the model "
+                "that was given to record_routes / replay_routes"
+            )
+        recompute = torch._C._current_graph_task_id() != -1
+        if not recompute and self._last_step[i] is step:
+            raise ReplayError(
+                f"router {self.sites[i].name!r} ran twice in one forward of {type(self.model).__name__}; "
+                "routers reused within a forward are not supported"
+            )
+        if not recompute:
+            self._last_step[i] = step
+        plan = None
+        if self.replayers:
+            if recompute:
+                if not self.pending[i]:
+                    raise ReplayError(
+                        f"router {self.sites[i].name!r} was recomputed but no replayed forward is pending"
+                    )
+                plan = self.pending[i].pop()
+            else:
+                plan = self.replayers[-1].plan(i, step)
+                if self.model.training and _checkpointing(self.model):
+                    self.pending[i].append(plan)
+        call = _Call(i, step, plan, record=bool(self.recorders) and not recompute)
+        self._calls[i] = call
+        return call
+
+    def _end(self, call: _Call) -> None:
+        self._calls[call.layer] = None
+        site = self.sites[call.layer]
+        if call.plan is not None:
+            if call.num_experts is not None and call.num_experts != call.plan.num_experts:
+                raise ReplayError(
+                    f"router {site.name!r} has E={call.num_experts} experts but the routes hold "
+                    f"E={call.plan.num_experts} for it"
+                )
+            if call.replaced == 0:
+                raise ReplayError(
+                    f"replay could not be applied at {site.name!r} ({type(site.router).__name__}): no top-k with "
+                    f"k={call.plan.top_k} over E={call.plan.num_experts} scores of each of the forward's "
+                    f"{call.step.tokens} tokens was seen"
+                )
+        if not call.record:
+            return
+        E = call.num_experts
+        picked = [s for s in call.seen if s[0] == E and s[2] == E * call.step.tokens]
+        if not picked:
+            raise ReplayError(
+                f"could not record {site.name!r} ({type(site.router).__name__}): no top-k over its E={E} scores for "
+                f"each of the forward's {call.step.tokens} tokens was seen (top-k calls: "
+                f"{[(s[0], s[1], s[2]) for s in call.seen]})"
+            )
+        _, k, _, idx = picked[-1]
+        idx = idx.reshape(call.step.batch, call.step.length, k)
+        for rec in self.recorders:
+            rec.record(call.layer, call.step, idx, E)
+
+    # ---- the top-k ---------------------------------------------------------------------------------------------
+    def _topk(self, call: _Call, func: Any, args: tuple, kwargs: dict) -> Any:
+        x: torch.Tensor = args[0]
+        k = int(args[1] if len(args) > 1 else kwargs["k"])
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        last = dim in (-1, x.dim() - 1)
+        plan, n = call.plan, call.step.tokens
+        out = None
+        if plan is not None and last:
+            E = plan.num_experts
+            if x.shape[-1] == E and k == plan.top_k and x.numel() == n * E:
+                out = self._forced(func, args, kwargs, x, plan)
+                call.replaced += 1
+            elif x.shape[-1] < E and E % x.shape[-1] == 0 and x.numel() == n * x.shape[-1] and k <= x.shape[-1]:
+                out = self._forced_groups(x, k, plan, self.sites[call.layer].name)
+        if out is None:
+            out = func(*args, **kwargs)
+        if call.record and last:
+            call.seen.append((x.shape[-1], k, x.numel(), out[1]))
+        return out
+
+    @staticmethod
+    def _forced(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan) -> Any:
+        shape = (*x.shape[:-1], plan.top_k)
+        idx = plan.indices.to(x.device).reshape(shape)
+        if not plan.all_recorded:
+            live = func(*args, **kwargs)[1]
+            idx = torch.where(plan.mask.to(x.device).reshape(*x.shape[:-1], 1), idx, live)
+        return torch.return_types.topk((x.gather(-1, idx), idx))
+
+    @staticmethod
+    def _forced_groups(x: torch.Tensor, k: int, plan: Plan, name: str) -> Any:
+        """Group-limited routing: keep the groups that hold recorded experts, fill the rest live."""
+        G = x.shape[-1]
+        flat = x.reshape(-1, G)
+        groups = plan.indices.to(x.device) // (plan.num_experts // G)
+        need = torch.zeros(flat.shape, dtype=torch.bool, device=x.device).scatter_(-1, groups, True)
+        need &= plan.mask.to(x.device)[:, None]
+        if int(need.sum(-1).max()) > k:
+            raise ReplayError(
+                f"router {name!r} keeps topk_group={k} of {G} expert groups, but the routes use "
+                f"{int(need.sum(-1).max())} groups for one token"
+            )
+        idx = torch.topk(flat.masked_fill(need, float("inf")), k, dim=-1).indices
+        idx = idx.reshape(*x.shape[:-1], k)
+        return torch.return_types.topk((x.gather(-1, idx), idx))
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether activation checkpointing is on (its router calls will be recomputed in the backward)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False

@@ -1,0 +1,169 @@
+"""`record_routes`: capture the experts a model routes every token to, during `generate` or a plain forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..routes import LayerInfo, Routes, index_dtype
+from .hub import RouterHub
+from .steps import Step
+
+
+class UnsupportedGenerationError(ValueError):
+    """A generation mode whose routes cannot be placed on the output sequences (beam search, assisted decoding)."""
+
+
+@dataclass
+class _Stream:
+    """Routes of one sequence batch: the steps (prefill, then one per decode step) and each layer's indices."""
+
+    batch: int
+    steps: list[Step] = field(default_factory=list)
+    per_step: list[list[torch.Tensor | None]] = field(default_factory=list)  # [step][layer] -> [B, t, K]
+    final_len: int | None = None
+
+
+class RouteRecorder:
+    """Context manager returned by `record_routes`; `.routes` holds what was recorded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._hub: RouterHub | None = None
+        self._streams: dict[int, _Stream] = {}
+        self._experts: dict[int, int] = {}
+        self._restore_generate: Any = None
+        self._names: list[str] = []
+
+    # ---- context -----------------------------------------------------------------------------------------------
+    def __enter__(self) -> RouteRecorder:
+        if self._hub is not None:
+            raise RuntimeError("this recorder is already active")
+        self._hub = RouterHub.attach(self.model, self, replay=False)
+        self._names = [site.name for site in self._hub.sites]
+        self._wrap_generate()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._restore_generate is not None:
+            self._restore_generate()
+            self._restore_generate = None
+        if self._hub is not None:
+            self._hub.detach(self)
+            self._hub = None
+
+    # ---- called by the hub -----------------------------------------------------------------------------------------
+    def record(self, layer: int, step: Step, indices: torch.Tensor, num_experts: int) -> None:
+        stream = self._streams.get(step.stream)
+        if stream is None:
+            stream = self._streams[step.stream] = _Stream(step.batch)
+        if not stream.steps or stream.steps[-1] is not step:
+            stream.steps.append(step)
+            stream.per_step.append([None] * len(self._names))
+        known = self._experts.setdefault(layer, num_experts)
+        if known != num_experts:
+            raise ValueError(f"router {self._names[layer]!r} changed from E={known} to E={num_experts}")
+        stream.per_step[-1][layer] = indices.to(index_dtype(num_experts))
+
+    # ---- results -------------------------------------------------------------------------------------------------
+    @property
+    def batches(self) -> list[Routes]:
+        """One `Routes` per recorded batch (each `generate` call or plain forward starts one)."""
+        return [self._build(s) for _, s in sorted(self._streams.items())]
+
+    @property
+    def routes(self) -> Routes:
+        """Everything recorded, as one `Routes` (several batches are concatenated, shorter ones right-padded)."""
+        batches = self.batches
+        if not batches:
+            raise ValueError("nothing was recorded: run a forward or generate inside `with record_routes(model)`")
+        return batches[0] if len(batches) == 1 else Routes.cat(batches)
+
+    def _build(self, stream: _Stream) -> Routes:
+        T = max(s.start + s.length for s in stream.steps)
+        T = max(T, stream.final_len or 0)
+        ks = {idx.shape[-1] for row in stream.per_step for idx in row if idx is not None}
+        if len(ks) != 1:
+            raise ValueError(f"layers recorded different top-k values {sorted(ks)}; Routes needs one K")
+        (K,) = ks
+        layers = [LayerInfo(name, self._experts[i], K) for i, name in enumerate(self._names)]
+        dtype = index_dtype(max(layer.num_experts for layer in layers))
+        first = next(idx for row in stream.per_step for idx in row if idx is not None)
+        indices = torch.zeros(stream.batch, T, len(layers), K, dtype=dtype, device=first.device)
+        mask = torch.zeros(stream.batch, T, dtype=torch.bool, device=first.device)
+        for step, row in zip(stream.steps, stream.per_step, strict=True):
+            missing = [self._names[i] for i, idx in enumerate(row) if idx is None]
+            if missing:
+                raise ValueError(
+                    f"routers {missing} recorded nothing at positions {step.start}..{step.start + step.length}"
+                )
+            span = slice(step.start, step.start + step.length)
+            indices[:, span] = torch.stack([idx.to(dtype) for idx in row], dim=2)
+            mask[:, span] = step.real.to(mask.device)
+        return Routes._trusted(indices, mask, tuple(layers))
+
+    # ---- generate ----------------------------------------------------------------------------------------------
+    def _wrap_generate(self) -> None:
+        model = self.model
+        inner = getattr(model, "generate", None)
+        if inner is None:
+            return
+        had_own = "generate" in model.__dict__
+        previous = model.__dict__.get("generate")
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            _check_generation_mode(model, kwargs)
+            before = set(self._streams)
+            out = inner(*args, **kwargs)
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            if isinstance(sequences, torch.Tensor):
+                for sid in set(self._streams) - before:
+                    self._streams[sid].final_len = sequences.shape[1]
+            return out
+
+        model.__dict__["generate"] = generate
+
+        def restore() -> None:
+            if had_own:
+                model.__dict__["generate"] = previous
+            else:
+                model.__dict__.pop("generate", None)
+
+        self._restore_generate = restore
+
+
+def _check_generation_mode(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+
+    def get(name: str, default: Any) -> Any:
+        return kwargs.get(name, getattr(config, name, default) if config is not None else default)
+
+    if (get("num_beams", 1) or 1) > 1:
+        raise UnsupportedGenerationError(
+            f"record_routes cannot follow beam search (num_beams={get('num_beams', 1)}): beams are reordered between "
+            "steps, so routes would not line up with the output; sample with num_beams=1"
+        )
+    for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
+        if get(name, None) is not None:
+            raise UnsupportedGenerationError(
+                f"record_routes cannot follow assisted decoding ({name} is set): rejected draft tokens are routed too, "
+                "and the cache is rolled back; generate without an assistant"
+            )
+
+
+def record_routes(model: nn.Module) -> RouteRecorder:
+    """Record the experts every router of `model` selects, for every token it processes, while the context is open.
+
+    Works under `generate` with a KV cache (prefill, then one position per step), with left padding,
+    `num_return_sequences`, and with plain forwards; routes land at the positions of `out.sequences`, with padding
+    and the last sampled token masked out. Recomputes under gradient checkpointing are not recorded twice.
+
+    Example:
+        >>> with record_routes(model) as rec:  # doctest: +SKIP
+        ...     out = model.generate(**batch, do_sample=True, return_dict_in_generate=True)
+        >>> routes = rec.routes  # [B, T, L, K], aligned to out.sequences
+    """
+    return RouteRecorder(model)

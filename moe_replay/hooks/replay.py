@@ -1,0 +1,90 @@
+"""`replay_routes`: force a model to use recorded experts, with the router's weights and gradients computed live."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..routes import Routes
+from .hub import Plan, ReplayError, RouterHub
+from .steps import Step
+
+
+class RouteReplayer:
+    """Context manager returned by `replay_routes`."""
+
+    def __init__(self, model: nn.Module, routes: Routes) -> None:
+        if not isinstance(routes, Routes):
+            raise ValueError(f"replay_routes needs a Routes, got {type(routes).__name__}")
+        self.model = model
+        self.routes = routes
+        self._hub: RouterHub | None = None
+        self._mask_cpu = routes.mask.cpu()
+        self._covered = torch.zeros(routes.seq_len, len(routes.layers), dtype=torch.bool)
+
+    def __enter__(self) -> RouteReplayer:
+        if self._hub is not None:
+            raise RuntimeError("this replay context is already active")
+        hub = RouterHub.attach(self.model, self, replay=True)
+        names = [site.name for site in hub.sites]
+        if names != self.routes.layer_names:
+            hub.detach(self)
+            diff = set(names) ^ set(self.routes.layer_names)
+            raise ReplayError(
+                f"routes hold layers {self.routes.layer_names} but {type(self.model).__name__} has routers {names}"
+                + (f" (differ: {sorted(diff)})" if diff else " (same names, other order)")
+            )
+        self._hub = hub
+        return self
+
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if self._hub is None:
+            return
+        self._hub.detach(self)
+        self._hub = None
+        if exc_type is None:
+            self._check_consumed()
+
+    def plan(self, layer: int, step: Step) -> Plan:
+        r = self.routes
+        if step.batch != r.batch_size:
+            raise ReplayError(f"routes hold B={r.batch_size} sequences but the forward has batch {step.batch}")
+        end = step.start + step.length
+        if end > r.seq_len:
+            raise ReplayError(
+                f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"
+            )
+        info = r.layers[layer]
+        indices = r.indices[:, step.start : end, layer].reshape(step.tokens, info.top_k).long()
+        mask = r.mask[:, step.start : end].reshape(step.tokens)
+        self._covered[step.start : end, layer] = True
+        all_recorded = bool(self._mask_cpu[:, step.start : end].all())
+        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded)
+
+    def _check_consumed(self) -> None:
+        needed = self._mask_cpu.any(0)  # [T]
+        missing = needed[:, None] & ~self._covered  # [T, L]
+        if missing.any():
+            layers = [self.routes.layers[i].name for i in missing.any(0).nonzero().flatten().tolist()]
+            positions = missing.any(1).nonzero().flatten().tolist()
+            shown = positions if len(positions) <= 8 else [*positions[:8], "..."]
+            raise ReplayError(
+                f"replay left recorded routes unused: layers {layers} at positions {shown} were never run "
+                f"(routes hold T={self.routes.seq_len}); forward the full sequences inside the context"
+            )
+
+
+def replay_routes(model: nn.Module, routes: Routes) -> RouteReplayer:
+    """Force every router of `model` to select the recorded experts at recorded positions (others route live).
+
+    The selected experts come from `routes`; their weights are computed by the family's own rule from the live
+    router scores, so the router still gets gradients. Replaying a model's own routes gives identical logits.
+    Works with minibatch slices (`routes[idx]`), gradient checkpointing and a KV cache. Routes for another batch
+    size, sequence length or layer set, and routes that were never used, raise `ReplayError` (a ValueError).
+
+    Example:
+        >>> with replay_routes(model, routes):  # doctest: +SKIP
+        ...     logits = model(sequences, attention_mask=mask).logits
+        ...     loss.backward()
+    """
+    return RouteReplayer(model, routes)

@@ -1,0 +1,305 @@
+"""`Routes`: the experts every token was sent to, in every MoE layer.
+
+Shape legend: B sequences, T token positions, L MoE layers, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+FORMAT_NAME = "moe-replay.routes"
+FORMAT_VERSION = 1
+
+IndexLike = int | slice | Sequence[int] | torch.Tensor
+
+
+class RoutesFileError(ValueError):
+    """A routes file that is truncated, foreign, or of an unknown format version."""
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One router: its qualified module name, its number of experts E and its top-k K.
+
+    Example:
+        >>> LayerInfo("model.layers.0.mlp.gate", num_experts=8, top_k=2)
+        LayerInfo(name='model.layers.0.mlp.gate', num_experts=8, top_k=2)
+    """
+
+    name: str
+    num_experts: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.num_experts, int) and isinstance(self.top_k, int)):
+            raise ValueError(
+                f"layer {self.name!r}: num_experts and top_k must be int, got {self.num_experts!r}, {self.top_k!r}"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"layer {self.name!r}: top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+
+def index_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype that holds expert ids 0..num_experts-1 (uint8 up to 256 experts, int16 above).
+
+    Example:
+        >>> index_dtype(128), index_dtype(257)
+        (torch.uint8, torch.int16)
+    """
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 2**15:
+        return torch.int16
+    if num_experts <= 2**31:
+        return torch.int32
+    raise ValueError(f"num_experts={num_experts} does not fit int32 expert ids")
+
+
+class Routes:
+    """The top-k experts chosen for each token and MoE layer, with a mask of the positions that were recorded.
+
+    `indices` is [B, T, L, K] in the smallest integer dtype that holds E; `mask` is bool [B, T], True where a
+    route was recorded (position t is the decision made when token t was the model's input; padding and the
+    last sampled token have none). The K experts of a (token, layer) are a set: their order is whatever the
+    router returned. Values at masked positions are meaningless.
+
+    Example:
+        >>> r = Routes(torch.tensor([[[[0, 1]], [[2, 3]]]]), torch.tensor([[True, False]]),
+        ...            [LayerInfo("model.layers.0.mlp.gate", 4, 2)])
+        >>> r.shape, r.indices.dtype
+        ((1, 2, 1, 2), torch.uint8)
+        >>> r[[0, 0]].shape
+        (2, 2, 1, 2)
+    """
+
+    def __init__(self, indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[LayerInfo]) -> None:
+        layers = tuple(layers)
+        if not all(isinstance(layer, LayerInfo) for layer in layers):
+            raise ValueError(f"layers must be LayerInfo objects, got {[type(x).__name__ for x in layers]}")
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 4:
+            got = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
+            raise ValueError(f"indices must be a [B, T, L, K] tensor, got {got}")
+        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+            raise ValueError(f"indices must have an integer dtype, got {indices.dtype}")
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+        B, T, L, K = indices.shape
+        if tuple(mask.shape) != (B, T):
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not match indices [B, T] = {(B, T)}")
+        if L != len(layers):
+            raise ValueError(f"indices have L={L} layers but {len(layers)} LayerInfo were given")
+        if mask.device != indices.device:
+            raise ValueError(f"mask is on {mask.device} but indices on {indices.device}")
+        for layer in layers:
+            if layer.top_k != K:
+                raise ValueError(f"layer {layer.name!r} has top_k={layer.top_k} but indices have K={K}")
+        if len({layer.name for layer in layers}) != len(layers):
+            raise ValueError("layer names must be unique")
+        _check_values(indices, mask, layers)
+        dtype = index_dtype(max((layer.num_experts for layer in layers), default=1))
+        self.indices = indices if indices.dtype == dtype else indices.to(dtype)
+        self.mask = mask
+        self.layers = layers
+
+    # ---- shape ---------------------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, T, L, K)."""
+        return tuple(self.indices.shape)  # type: ignore[return-value]
+
+    @property
+    def batch_size(self) -> int:
+        return self.indices.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.indices.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.indices.shape[3]
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [layer.name for layer in self.layers]
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by `indices` and `mask` (K bytes per (token, layer) at <= 256 experts, plus 1 per token)."""
+        return self.indices.nelement() * self.indices.element_size() + self.mask.nelement() * self.mask.element_size()
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    def __repr__(self) -> str:
+        B, T, L, K = self.shape
+        es = sorted({layer.num_experts for layer in self.layers})
+        return (
+            f"Routes(B={B}, T={T}, L={L}, K={K}, E={es[0] if len(es) == 1 else es}, dtype={self.indices.dtype}, "
+            f"recorded={int(self.mask.sum())} positions, device={self.device})"
+        )
+
+    # ---- slicing and joining -------------------------------------------------------------------------------
+    def __getitem__(self, idx: IndexLike) -> Routes:
+        """Select sequences (a minibatch); an int keeps the batch dim (B=1)."""
+        if isinstance(idx, int):
+            if not -self.batch_size <= idx < self.batch_size:
+                raise IndexError(f"index {idx} out of range for B={self.batch_size}")
+            idx = slice(idx, idx + 1 if idx != -1 else None)
+        elif isinstance(idx, tuple):
+            raise ValueError("Routes are sliced along the batch only: routes[idx] with idx an int, slice or index list")
+        elif not isinstance(idx, slice):
+            idx = torch.as_tensor(idx, device=self.device)
+            if idx.dtype == torch.bool and idx.shape != (self.batch_size,):
+                raise ValueError(f"boolean index of shape {tuple(idx.shape)} does not match B={self.batch_size}")
+        return Routes._trusted(self.indices[idx], self.mask[idx], self.layers)
+
+    @classmethod
+    def cat(cls, parts: Sequence[Routes]) -> Routes:
+        """Concatenate along the batch; shorter parts are right-padded with masked positions.
+
+        Example:
+            >>> both = Routes.cat([routes_a, routes_b])  # doctest: +SKIP
+        """
+        parts = list(parts)
+        if not parts:
+            raise ValueError("Routes.cat needs at least one Routes")
+        first = parts[0]
+        for p in parts[1:]:
+            if p.layers != first.layers:
+                raise ValueError(
+                    f"cannot concatenate Routes over different layers: {_layer_diff(first.layers, p.layers)}"
+                )
+            if p.device != first.device:
+                raise ValueError(f"cannot concatenate Routes on {first.device} and {p.device}")
+        T = max(p.seq_len for p in parts)
+        indices = torch.cat([_pad_t(p.indices, T) for p in parts])
+        mask = torch.cat([_pad_t(p.mask, T) for p in parts])
+        return cls._trusted(indices, mask, first.layers)
+
+    def to(self, device: torch.device | str) -> Routes:
+        """Move to a device (indices keep their dtype)."""
+        return Routes._trusted(self.indices.to(device), self.mask.to(device), self.layers)
+
+    def pad_to(self, seq_len: int) -> Routes:
+        """Right-pad the positions to `seq_len` with masked (unrecorded) positions."""
+        if seq_len < self.seq_len:
+            raise ValueError(f"cannot pad Routes of T={self.seq_len} to a shorter T={seq_len}")
+        return Routes._trusted(_pad_t(self.indices, seq_len), _pad_t(self.mask, seq_len), self.layers)
+
+    def equal(self, other: Routes) -> bool:
+        """True when both hold the same layers, mask, and the same expert sets at every recorded position."""
+        if self.layers != other.layers or self.shape != other.shape or not torch.equal(self.mask, other.mask):
+            return False
+        a = self.indices.long().sort(-1).values[self.mask]
+        b = other.indices.long().sort(-1).values[other.mask]
+        return torch.equal(a, b)
+
+    # ---- files ---------------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write to a safetensors file with a JSON header (format, version, layers).
+
+        Example:
+            >>> routes.save("r.safetensors"); Routes.load("r.safetensors")  # doctest: +SKIP
+        """
+        from safetensors.torch import save_file
+
+        meta = {
+            "format": FORMAT_NAME,
+            "version": str(FORMAT_VERSION),
+            "layers": json.dumps([asdict(layer) for layer in self.layers]),
+        }
+        tensors = {"indices": self.indices.contiguous().cpu(), "mask": self.mask.contiguous().cpu()}
+        save_file(tensors, os.fspath(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> Routes:
+        """Read a file written by `Routes.save`; a truncated, foreign or newer-format file raises RoutesFileError."""
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        try:
+            with safe_open(path, framework="pt", device=str(device)) as f:
+                meta = f.metadata() or {}
+                keys = set(f.keys())
+                if meta.get("format") != FORMAT_NAME:
+                    raise RoutesFileError(
+                        f"{path} is not a moe-replay routes file: header format is {meta.get('format')!r}, "
+                        f"expected {FORMAT_NAME!r}"
+                    )
+                if meta.get("version") != str(FORMAT_VERSION):
+                    raise RoutesFileError(
+                        f"{path} has routes format version {meta.get('version')!r}; this moe-replay reads "
+                        f"version {FORMAT_VERSION}"
+                    )
+                if keys != {"indices", "mask"}:
+                    raise RoutesFileError(f"{path} holds tensors {sorted(keys)}, expected ['indices', 'mask']")
+                indices, mask = f.get_tensor("indices"), f.get_tensor("mask")
+        except RoutesFileError:
+            raise
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for truncated or malformed files
+            raise RoutesFileError(f"{path} could not be read as a safetensors routes file: {e}") from e
+        try:
+            layers = [LayerInfo(**d) for d in json.loads(meta["layers"])]
+            return cls(indices, mask, layers)
+        except (ValueError, TypeError, KeyError) as e:
+            raise RoutesFileError(f"{path}: inconsistent routes file: {e}") from e
+
+    @classmethod
+    def _trusted(cls, indices: torch.Tensor, mask: torch.Tensor, layers: tuple[LayerInfo, ...]) -> Routes:
+        """Build without re-validating values (for slices and joins of already valid Routes)."""
+        obj = cls.__new__(cls)
+        obj.indices, obj.mask, obj.layers = indices, mask, layers
+        return obj
+
+
+def _check_values(indices: torch.Tensor, mask: torch.Tensor, layers: tuple[LayerInfo, ...]) -> None:
+    """Expert ids in [0, E) and no duplicate expert within one (token, layer), at recorded positions."""
+    rec = indices[mask]  # [N, L, K]
+    if rec.numel() == 0:
+        return
+    rec = rec.long()
+    lo = rec.amin(dim=(0, 2))
+    hi = rec.amax(dim=(0, 2))
+    for i, layer in enumerate(layers):
+        if lo[i] < 0 or hi[i] >= layer.num_experts:
+            bad = int(lo[i]) if lo[i] < 0 else int(hi[i])
+            raise ValueError(f"layer {layer.name!r}: expert index {bad} outside [0, E={layer.num_experts})")
+    if rec.shape[-1] > 1:
+        s = rec.sort(dim=-1).values
+        dup = (s[..., 1:] == s[..., :-1]).any(-1)  # [N, L]
+        if dup.any():
+            n, layer_i = (int(v) for v in dup.nonzero()[0])
+            b, t = (int(v) for v in mask.nonzero()[n])
+            raise ValueError(
+                f"duplicate experts {rec[n, layer_i].tolist()} at sequence {b}, position {t}, "
+                f"layer {layers[layer_i].name!r}: the K experts of a token must be distinct"
+            )
+
+
+def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:
+    if x.shape[1] == T:
+        return x
+    pad = x.new_zeros((x.shape[0], T - x.shape[1], *x.shape[2:]))
+    return torch.cat([x, pad], dim=1)
+
+
+def _layer_diff(a: Sequence[LayerInfo], b: Sequence[LayerInfo]) -> str:
+    """Describe where two layer lists differ, naming both sides."""
+    if len(a) != len(b):
+        return f"{len(a)} layers vs {len(b)} layers"
+    for x, y in zip(a, b, strict=True):
+        if x != y:
+            return f"{x} vs {y}"
+    return "no difference"

@@ -1,0 +1,147 @@
+"""Hook hygiene (counts before / inside / after, nesting, raising forwards) and bad input errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PAD, hook_count, left_padded, tiny_qwen3_moe
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from moe_replay import (
+    LayerInfo,
+    ReplayError,
+    Routes,
+    UnsupportedGenerationError,
+    UnsupportedModelError,
+    record_routes,
+    replay_routes,
+)
+
+
+def recorded(model, ids, mask):
+    with record_routes(model) as rec:
+        model(ids, attention_mask=mask)
+    return rec.routes
+
+
+def test_hook_counts_before_inside_after_and_nested(qwen):
+    before = hook_count(qwen)
+    assert before == 0
+    ids, mask = left_padded(2, 5, [0, 1])
+    with record_routes(qwen) as rec:
+        inside = hook_count(qwen)
+        # one model pre-hook, per router: one output hook + one patched block forward (2 MoE layers), + generate
+        assert inside == 1 + 2 * 2 + 1
+        with replay_routes(qwen, recorded(qwen, ids, mask)):
+            assert hook_count(qwen) == inside  # contexts share the model's hooks
+            qwen(ids, attention_mask=mask)
+        assert hook_count(qwen) == inside
+    assert hook_count(qwen) == before
+    assert "_moe_replay_hub" not in qwen.__dict__
+    # the outer recorder saw both forwards (the one recorded inside, the replayed one): two batches of 2
+    assert len(rec.batches) == 2 and rec.routes.batch_size == 4
+
+
+def test_forward_that_raises_leaves_nothing_behind(qwen):
+    ids, mask = left_padded(2, 5, [0, 1])
+    boom = qwen.model.layers[2].mlp.experts.register_forward_pre_hook(lambda *a: 1 / 0)
+    try:
+        with pytest.raises(ZeroDivisionError):
+            with record_routes(qwen):
+                with replay_routes(qwen, recorded_without(qwen, boom, ids, mask)):
+                    qwen(ids, attention_mask=mask)
+    finally:
+        boom.remove()
+    assert hook_count(qwen) == 0
+    assert torch._C._len_torch_function_stack() == 0  # no interception mode left pushed
+    ref = qwen(ids, attention_mask=mask).logits  # the model still works, unhooked
+    assert torch.isfinite(ref).all()
+
+
+def recorded_without(model, handle, ids, mask):
+    """Record with a temporarily disabled failing hook (used to build valid routes for the raising test)."""
+    hooks = model.model.layers[2].mlp.experts._forward_pre_hooks
+    saved = hooks.pop(handle.id)
+    try:
+        return recorded(model, ids, mask)
+    finally:
+        hooks[handle.id] = saved
+
+
+def test_model_without_router_is_an_error():
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    dense = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM registers no router outputs"):
+        with record_routes(dense):
+            pass
+    assert hook_count(dense) == 0
+
+
+def test_wrong_batch_and_length(qwen):
+    ids, mask = left_padded(3, 6, [0, 0, 2])
+    routes = recorded(qwen, ids, mask)
+    with pytest.raises(ReplayError, match="routes hold B=3 sequences but the forward has batch 2"):
+        with replay_routes(qwen, routes):
+            qwen(ids[:2], attention_mask=mask[:2])
+    longer = torch.cat([ids, ids[:, :2]], 1)
+    with pytest.raises(ReplayError, match=r"covers positions 0..7 but the routes hold T=6"):
+        with replay_routes(qwen, routes):
+            qwen(longer)
+    assert hook_count(qwen) == 0
+
+
+def test_unconsumed_routes_are_an_error(qwen):
+    ids, mask = left_padded(2, 6, [0, 0])
+    routes = recorded(qwen, ids, mask)
+    with pytest.raises(ReplayError, match=r"left recorded routes unused: .* at positions \[4, 5\]"):
+        with replay_routes(qwen, routes):
+            qwen(ids[:, :4])
+    with pytest.raises(ReplayError, match="never run"):
+        with replay_routes(qwen, routes):
+            pass
+    # dropping positions whose routes are masked is fine (e.g. the last sampled token)
+    trimmed = Routes(routes.indices, routes.mask.clone().index_fill_(1, torch.tensor([5]), False), routes.layers)
+    with replay_routes(qwen, trimmed):
+        qwen(ids[:, :5])
+
+
+def test_other_layer_set_is_an_error(qwen):
+    ids, mask = left_padded(2, 6, [0, 0])
+    routes = recorded(qwen, ids, mask)
+    deeper = tiny_qwen3_moe(layers=4)
+    with pytest.raises(
+        ReplayError, match=r"routes hold layers .* but Qwen3MoeForCausalLM has routers .*model.layers.3"
+    ):
+        with replay_routes(deeper, routes):
+            pass
+    renamed = Routes(routes.indices, routes.mask, [LayerInfo(f"x.{i}", 8, 2) for i in range(2)])
+    with pytest.raises(ReplayError, match="differ"):
+        with replay_routes(qwen, renamed):
+            pass
+    more_experts = Routes(routes.indices, routes.mask, [LayerInfo(n, 16, 2) for n in routes.layer_names])
+    with pytest.raises(ReplayError, match="has E=8 experts but the routes hold E=16"):
+        with replay_routes(qwen, more_experts):
+            qwen(ids, attention_mask=mask)
+    top3 = tiny_qwen3_moe(top_k=3)
+    with pytest.raises(ReplayError, match="no top-k with k=2 over E=8"):
+        with replay_routes(top3, routes):
+            top3(ids, attention_mask=mask)
+    assert hook_count(qwen) == hook_count(deeper) == hook_count(top3) == 0
+
+
+def test_replay_rejects_non_routes(qwen):
+    with pytest.raises(ValueError, match="needs a Routes, got Tensor"):
+        replay_routes(qwen, torch.zeros(1, 1, 2, 2))
+
+
+def test_beam_search_and_assisted_decoding_are_refused(qwen):
+    ids, mask = left_padded(1, 4, [0])
+    with pytest.raises(UnsupportedGenerationError, match="beam search"):
+        with record_routes(qwen):
+            qwen.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=2, pad_token_id=PAD)
+    with pytest.raises(UnsupportedGenerationError, match="assisted decoding"):
+        with record_routes(qwen):
+            qwen.generate(
+                input_ids=ids, attention_mask=mask, prompt_lookup_num_tokens=2, max_new_tokens=2, pad_token_id=PAD
+            )
+    assert hook_count(qwen) == 0

@@ -1,0 +1,176 @@
+"""Record and replay on a tiny Qwen3-MoE: alignment under generate, exactness, gradients, checkpointing, slices."""
+
+from __future__ import annotations
+
+import torch
+from conftest import PAD, extend_mask, left_padded, tiny_qwen3_moe
+
+from moe_replay import Routes, record_routes, replay_routes
+
+
+def generate(model, ids, mask, n=6, **kw):
+    with record_routes(model) as rec:
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            return_dict_in_generate=True,
+            pad_token_id=PAD,
+            **kw,
+        )
+    return out.sequences, rec.routes
+
+
+def experts_used(model, fn):
+    """The expert indices each MoE experts module actually received, via pre-hooks on the experts modules."""
+    seen, handles = [], []
+    for name, m in model.named_modules():
+        if name.endswith("mlp.experts"):
+            handles.append(m.register_forward_pre_hook(lambda mod, args: seen.append(args[1].clone())))
+    try:
+        out = fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, out
+
+
+def test_generate_routes_align_with_teacher_forcing(qwen):
+    torch.manual_seed(1)
+    ids, mask = left_padded(3, 7, [3, 0, 1])
+    seq, routes = generate(qwen, ids, mask, num_return_sequences=2)
+    B, T = seq.shape
+    assert routes.shape == (B, T, 2, 2) and B == 6
+    full = extend_mask(mask.repeat_interleave(2, 0), T)
+    # recorded: every fed real token; not padding, not the last sampled token
+    expected = full.bool().clone()
+    expected[:, -1] = False
+    assert torch.equal(routes.mask, expected)
+    with record_routes(qwen) as rec:
+        qwen(seq, attention_mask=full)
+    tf = rec.routes
+    both = routes.mask & tf.mask
+    assert torch.equal(both, routes.mask)
+    assert torch.equal(routes.indices[both], tf.indices[both])
+
+
+def test_replay_own_routes_is_bit_exact(qwen):
+    ids, mask = left_padded(4, 9, [0, 2, 5, 1])
+    with record_routes(qwen) as rec:
+        ref = qwen(ids, attention_mask=mask).logits
+    with replay_routes(qwen, rec.routes):
+        out = qwen(ids, attention_mask=mask).logits
+    assert torch.equal(ref, out)
+
+
+def perturb(model, scale=0.3, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp(min=1e-3))
+
+
+def test_replay_forces_recorded_experts_after_an_update(qwen):
+    ids, mask = left_padded(4, 10, [0, 0, 3, 0])
+    with record_routes(qwen) as rec:
+        qwen(ids, attention_mask=mask)
+    routes = rec.routes
+    perturb(qwen)
+    live, live_logits = experts_used(qwen, lambda: qwen(ids, attention_mask=mask).logits)
+    with replay_routes(qwen, routes):
+        forced, forced_logits = experts_used(qwen, lambda: qwen(ids, attention_mask=mask).logits)
+    m = routes.mask.reshape(-1)
+    assert len(forced) == len(live) == 2
+    for layer, f in enumerate(forced):
+        want = routes.indices[:, :, layer].reshape(-1, 2).long()
+        assert torch.equal(f[m], want[m])  # replayed: exactly the recorded experts at recorded positions
+    changed = sum(
+        int((v[m].sort(-1).values != f[m].sort(-1).values).any(-1).sum()) for f, v in zip(forced, live, strict=True)
+    )
+    assert changed > 0  # without replay some tokens' experts moved
+    assert not torch.equal(live_logits, forced_logits)
+
+
+def test_router_gets_gradients_under_replay(qwen):
+    ids, mask = left_padded(2, 8, [0, 2])
+    with record_routes(qwen) as rec:
+        qwen(ids, attention_mask=mask)
+    perturb(qwen)
+    qwen.train()
+    with replay_routes(qwen, rec.routes):
+        qwen(ids, attention_mask=mask, labels=ids).loss.backward()
+    grads = [p.grad for n, p in qwen.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(grads) == 2 and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_replays_same_routes_and_records_once():
+    ids, mask = left_padded(3, 8, [0, 1, 4])
+    model = tiny_qwen3_moe()
+    with record_routes(model) as rec:
+        model(ids, attention_mask=mask)
+    routes = rec.routes
+    perturb(model)
+    model.train()
+    with replay_routes(model, routes):
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+    plain = _grads(model)
+    model.zero_grad(set_to_none=True)
+    for reentrant in (False, True):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        with replay_routes(model, routes), record_routes(model) as inner:
+            model(ids, attention_mask=mask, labels=ids).loss.backward()
+        ckpt = _grads(model)
+        model.zero_grad(set_to_none=True)
+        assert plain.keys() == ckpt.keys()
+        for n in plain:
+            torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-5, atol=1e-7, msg=n)
+        # the recorder saw one forward (no duplicates from the recompute), and it used the replayed experts
+        assert len(inner.batches) == 1 and inner.routes.equal(routes)
+        model.gradient_checkpointing_disable()
+
+
+def test_minibatch_slices_replay_exactly(qwen):
+    ids, mask = left_padded(6, 9, [0, 3, 0, 1, 5, 2])
+    with record_routes(qwen) as rec:
+        qwen(ids, attention_mask=mask)
+    routes = rec.routes
+    perturb(qwen)
+    with replay_routes(qwen, routes):
+        whole = qwen(ids, attention_mask=mask).logits
+    for idx in ([0, 1, 2], [5, 3], [4]):
+        with replay_routes(qwen, routes[idx]):
+            part = qwen(ids[idx], attention_mask=mask[idx]).logits
+        torch.testing.assert_close(part, whole[idx], rtol=1e-5, atol=1e-6)
+        with record_routes(qwen) as check, replay_routes(qwen, routes[idx]):
+            qwen(ids[idx], attention_mask=mask[idx])
+        assert check.routes.equal(routes[idx])
+
+
+def test_replay_under_generate_with_cache(qwen):
+    """Replay also applies step by step with a KV cache: forced experts at the recorded positions."""
+    ids, mask = left_padded(2, 5, [0, 2])
+    seq, routes = generate(qwen, ids, mask, n=4)
+    perturb(qwen)
+    with replay_routes(qwen, routes), record_routes(qwen) as rec:
+        qwen.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=4, min_new_tokens=4, pad_token_id=PAD
+        )
+    # the prompt positions were fed identically, so their replayed routes match the recorded ones
+    got = rec.routes
+    prompt = routes.mask[:, :5]
+    assert torch.equal(got.indices[:, :5][prompt], routes.indices[:, :5][prompt])
+
+
+def test_saved_routes_replay(tmp_path, qwen):
+    ids, mask = left_padded(2, 6, [1, 0])
+    with record_routes(qwen) as rec:
+        ref = qwen(ids, attention_mask=mask).logits
+    rec.routes.save(tmp_path / "r.safetensors")
+    with replay_routes(qwen, Routes.load(tmp_path / "r.safetensors")):
+        assert torch.equal(qwen(ids, attention_mask=mask).logits, ref)
