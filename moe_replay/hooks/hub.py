@@ -112,51 +112,52 @@ class RouterHub:
         handle = self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
         self._undo.append(handle.remove)
         for i, site in enumerate(self.sites):
-            handle = site.router.register_forward_hook(self._router_output_hook(i))
-            self._undo.append(handle.remove)
-            self._wrap_forward(i, site.scope)
+            self._wrap_forward(i, site.scope, logits_index=None)
+            self._wrap_forward(i, site.router, logits_index=site.logits_index)
 
     def _uninstall(self) -> None:
         while self._undo:
             self._undo.pop()()
 
-    def _wrap_forward(self, i: int, scope: nn.Module) -> None:
-        had_own = "forward" in scope.__dict__
-        previous = scope.__dict__.get("forward")
-        inner = scope.forward
+    def _wrap_forward(self, i: int, module: nn.Module, logits_index: int | None) -> None:
+        """Intercept top-k calls while `module` runs. Both the router and its parent block are wrapped: the outer of the
+        two that runs opens the interception (DBRX takes the top-k in the block, JetMoE's attention experts call the
+        router from a method other than the block's forward)."""
+        had_own = "forward" in module.__dict__
+        previous = module.__dict__.get("forward")
+        inner = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            call = self._begin(i)
-            with _TopkMode(self, call):
+            call = self._calls[i]
+            if call is not None:  # already inside the other wrapped module of this router
                 out = inner(*args, **kwargs)
+                if logits_index is not None:
+                    call.num_experts = _num_scores(out, logits_index)
+                return out
+            call = self._begin(i)
+            try:
+                with _TopkMode(self, call):
+                    out = inner(*args, **kwargs)
+                if logits_index is not None:
+                    call.num_experts = _num_scores(out, logits_index)
+            finally:
+                self._calls[i] = None
             self._end(call)
             return out
 
-        scope.forward = forward
+        module.forward = forward
 
         def undo() -> None:
             if had_own:
-                scope.forward = previous
+                module.forward = previous
             else:
-                del scope.forward
+                del module.forward
 
         self._undo.append(undo)
 
     # ---- hooks ---------------------------------------------------------------------------------------------
     def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.tracker.on_forward(args, kwargs)
-
-    def _router_output_hook(self, i: int):  # noqa: ANN202
-        index = self.sites[i].logits_index
-
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            call = self._calls[i]
-            if call is None:
-                return
-            logits = output[index] if isinstance(output, tuple | list) else output
-            call.num_experts = int(logits.shape[-1])
-
-        return hook
 
     def _begin(self, i: int) -> _Call:
         step = self.tracker.current
@@ -190,7 +191,6 @@ class RouterHub:
         return call
 
     def _end(self, call: _Call) -> None:
-        self._calls[call.layer] = None
         site = self.sites[call.layer]
         if call.plan is not None:
             if call.num_experts is not None and call.num_experts != call.plan.num_experts:
@@ -273,3 +273,9 @@ def _checkpointing(model: nn.Module) -> bool:
         if name in dir(type(model)):
             return bool(getattr(model, name))
     return False
+
+
+def _num_scores(output: Any, index: int) -> int:
+    """E: the last dim of the router logits, at `index` in the router's output (registered by the family)."""
+    logits = output[index] if isinstance(output, tuple | list) else output
+    return int(logits.shape[-1])
