@@ -45,16 +45,17 @@ class Plan:
 
 
 class Recorder(Protocol):
-    def record(self, layer: int, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
+    def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
 
 
 class Replayer(Protocol):
-    def plan(self, layer: int, step: Step) -> Plan: ...
+    def plan(self, layer: str, step: Step) -> Plan: ...
 
 
 @dataclass
 class _Call:
-    layer: int
+    site: int
+    layer: str  # the router's name; `name#n` for its n-th extra call in one forward (looped layers)
     step: Step
     plan: Plan | None
     record: bool
@@ -85,7 +86,7 @@ class RouterHub:
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         self.pending: list[list[Plan]] = [[] for _ in self.sites]  # plans to reuse in checkpoint recomputes
-        self._last_step: list[Step | None] = [None] * len(self.sites)
+        self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[_Call | None] = [None] * len(self.sites)
         self._undo: list[Any] = []
 
@@ -167,13 +168,12 @@ class RouterHub:
                 "that was given to record_routes / replay_routes"
             )
         recompute = torch._C._current_graph_task_id() != -1
-        if not recompute and self._last_step[i] is step:
-            raise ReplayError(
-                f"router {self.sites[i].name!r} ran twice in one forward of {type(self.model).__name__}; "
-                "routers reused within a forward are not supported"
-            )
-        if not recompute:
-            self._last_step[i] = step
+        name = self.sites[i].name
+        if not recompute:  # a router run again in the same forward (looped layers) is a layer of its own
+            last, n = self._occurrence[i]
+            n = n + 1 if last is step else 0
+            self._occurrence[i] = (step, n)
+            name = f"{name}#{n}" if n else name
         plan = None
         if self.replayers:
             if recompute:
@@ -183,24 +183,24 @@ class RouterHub:
                     )
                 plan = self.pending[i].pop()
             else:
-                plan = self.replayers[-1].plan(i, step)
+                plan = self.replayers[-1].plan(name, step)
                 if self.model.training and _checkpointing(self.model):
                     self.pending[i].append(plan)
-        call = _Call(i, step, plan, record=bool(self.recorders) and not recompute)
+        call = _Call(i, name, step, plan, record=bool(self.recorders) and not recompute)
         self._calls[i] = call
         return call
 
     def _end(self, call: _Call) -> None:
-        site = self.sites[call.layer]
+        site = self.sites[call.site]
         if call.plan is not None:
             if call.num_experts is not None and call.num_experts != call.plan.num_experts:
                 raise ReplayError(
-                    f"router {site.name!r} has E={call.num_experts} experts but the routes hold "
+                    f"router {call.layer!r} has E={call.num_experts} experts but the routes hold "
                     f"E={call.plan.num_experts} for it"
                 )
             if call.replaced == 0:
                 raise ReplayError(
-                    f"replay could not be applied at {site.name!r} ({type(site.router).__name__}): no top-k with "
+                    f"replay could not be applied at {call.layer!r} ({type(site.router).__name__}): no top-k with "
                     f"k={call.plan.top_k} over E={call.plan.num_experts} scores of each of the forward's "
                     f"{call.step.tokens} tokens was seen"
                 )
@@ -210,7 +210,7 @@ class RouterHub:
         picked = [s for s in call.seen if s[0] == E and s[2] == E * call.step.tokens]
         if not picked:
             raise ReplayError(
-                f"could not record {site.name!r} ({type(site.router).__name__}): no top-k over its E={E} scores for "
+                f"could not record {call.layer!r} ({type(site.router).__name__}): no top-k over its E={E} scores for "
                 f"each of the forward's {call.step.tokens} tokens was seen (top-k calls: "
                 f"{[(s[0], s[1], s[2]) for s in call.seen]})"
             )
@@ -233,7 +233,7 @@ class RouterHub:
                 out = self._forced(func, args, kwargs, x, plan)
                 call.replaced += 1
             elif x.shape[-1] < E and E % x.shape[-1] == 0 and x.numel() == n * x.shape[-1] and k <= x.shape[-1]:
-                out = self._forced_groups(x, k, plan, self.sites[call.layer].name)
+                out = self._forced_groups(x, k, plan, call.layer)
         if out is None:
             out = func(*args, **kwargs)
         if call.record and last:

@@ -23,7 +23,7 @@ class _Stream:
 
     batch: int
     steps: list[Step] = field(default_factory=list)
-    per_step: list[list[torch.Tensor | None]] = field(default_factory=list)  # [step][layer] -> [B, t, K]
+    per_step: list[dict[str, torch.Tensor]] = field(default_factory=list)  # [step][layer name] -> [B, t, K]
     final_len: int | None = None
 
 
@@ -34,16 +34,14 @@ class RouteRecorder:
         self.model = model
         self._hub: RouterHub | None = None
         self._streams: dict[int, _Stream] = {}
-        self._experts: dict[int, int] = {}
+        self._experts: dict[str, int] = {}  # layer name -> E, in the order the layers first ran
         self._restore_generate: Any = None
-        self._names: list[str] = []
 
     # ---- context -----------------------------------------------------------------------------------------------
     def __enter__(self) -> RouteRecorder:
         if self._hub is not None:
             raise RuntimeError("this recorder is already active")
         self._hub = RouterHub.attach(self.model, self, replay=False)
-        self._names = [site.name for site in self._hub.sites]
         self._wrap_generate()
         return self
 
@@ -56,16 +54,16 @@ class RouteRecorder:
             self._hub = None
 
     # ---- called by the hub -----------------------------------------------------------------------------------------
-    def record(self, layer: int, step: Step, indices: torch.Tensor, num_experts: int) -> None:
+    def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None:
         stream = self._streams.get(step.stream)
         if stream is None:
             stream = self._streams[step.stream] = _Stream(step.batch)
         if not stream.steps or stream.steps[-1] is not step:
             stream.steps.append(step)
-            stream.per_step.append([None] * len(self._names))
+            stream.per_step.append({})
         known = self._experts.setdefault(layer, num_experts)
         if known != num_experts:
-            raise ValueError(f"router {self._names[layer]!r} changed from E={known} to E={num_experts}")
+            raise ValueError(f"router {layer!r} changed from E={known} to E={num_experts}")
         stream.per_step[-1][layer] = indices.to(index_dtype(num_experts))
 
     # ---- results -------------------------------------------------------------------------------------------------
@@ -85,23 +83,23 @@ class RouteRecorder:
     def _build(self, stream: _Stream) -> Routes:
         T = max(s.start + s.length for s in stream.steps)
         T = max(T, stream.final_len or 0)
-        ks = {idx.shape[-1] for row in stream.per_step for idx in row if idx is not None}
+        ks = {idx.shape[-1] for row in stream.per_step for idx in row.values()}
         if len(ks) != 1:
             raise ValueError(f"layers recorded different top-k values {sorted(ks)}; Routes needs one K")
         (K,) = ks
-        layers = [LayerInfo(name, self._experts[i], K) for i, name in enumerate(self._names)]
+        layers = [LayerInfo(name, E, K) for name, E in self._experts.items()]
         dtype = index_dtype(max(layer.num_experts for layer in layers))
-        first = next(idx for row in stream.per_step for idx in row if idx is not None)
+        first = next(iter(stream.per_step[0].values()))
         indices = torch.zeros(stream.batch, T, len(layers), K, dtype=dtype, device=first.device)
         mask = torch.zeros(stream.batch, T, dtype=torch.bool, device=first.device)
         for step, row in zip(stream.steps, stream.per_step, strict=True):
-            missing = [self._names[i] for i, idx in enumerate(row) if idx is None]
+            missing = [layer.name for layer in layers if layer.name not in row]
             if missing:
                 raise ValueError(
                     f"routers {missing} recorded nothing at positions {step.start}..{step.start + step.length}"
                 )
             span = slice(step.start, step.start + step.length)
-            indices[:, span] = torch.stack([idx.to(dtype) for idx in row], dim=2)
+            indices[:, span] = torch.stack([row[layer.name].to(dtype) for layer in layers], dim=2)
             mask[:, span] = step.real.to(mask.device)
         return Routes._trusted(indices, mask, tuple(layers))
 

@@ -21,19 +21,20 @@ class RouteReplayer:
         self._hub: RouterHub | None = None
         self._mask_cpu = routes.mask.cpu()
         self._covered = torch.zeros(routes.seq_len, len(routes.layers), dtype=torch.bool)
+        self._columns = {name: i for i, name in enumerate(routes.layer_names)}
 
     def __enter__(self) -> RouteReplayer:
         if self._hub is not None:
             raise RuntimeError("this replay context is already active")
         hub = RouterHub.attach(self.model, self, replay=True)
         names = [site.name for site in hub.sites]
-        if names != self.routes.layer_names:
+        held = self.routes.layer_names
+        base = [name.partition("#")[0] for name in held]  # `name#n`: the n-th extra run of a looped router
+        if set(base) != set(names):  # routes are applied by layer name; their order is the order the layers ran
             hub.detach(self)
-            diff = set(names) ^ set(self.routes.layer_names)
-            raise ReplayError(
-                f"routes hold layers {self.routes.layer_names} but {type(self.model).__name__} has routers {names}"
-                + (f" (differ: {sorted(diff)})" if diff else " (same names, other order)")
-            )
+            diff = sorted(set(names) ^ set(base))
+            model = type(self.model).__name__
+            raise ReplayError(f"routes hold layers {held} but {model} has routers {names} (differ: {diff})")
         self._hub = hub
         return self
 
@@ -45,8 +46,11 @@ class RouteReplayer:
         if exc_type is None:
             self._check_consumed()
 
-    def plan(self, layer: int, step: Step) -> Plan:
+    def plan(self, name: str, step: Step) -> Plan:
         r = self.routes
+        layer = self._columns.get(name)
+        if layer is None:
+            raise ReplayError(f"router call {name!r} has no routes: the routes hold layers {r.layer_names}")
         if step.batch != r.batch_size:
             raise ReplayError(f"routes hold B={r.batch_size} sequences but the forward has batch {step.batch}")
         end = step.start + step.length
