@@ -10,6 +10,9 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 VOCAB = 64
 PAD = 0
 
+# Tiny models: thread start-up costs more than it saves (linear-attention and mamba families run 10-40x slower on 2).
+torch.set_num_threads(1)
+
 
 def tiny_qwen3_moe(seed: int = 0, *, layers: int = 3, experts: int = 8, top_k: int = 2) -> nn.Module:
     """A 3-layer Qwen3-MoE (layer 1 dense) with well-separated router scores."""
