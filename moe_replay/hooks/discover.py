@@ -19,10 +19,6 @@ UNSUPPORTED: dict[str, str] = {
         "Doge routes with product keys whose logits are mixed across tokens of the batch (not causal), "
         "so a token's experts depend on the other tokens and cannot be recorded per token"
     ),
-    "PhimoeTopKRouter": (
-        "PhiMoE's sparsemixer picks experts with masked max calls and Gumbel sampling instead of a top-k; "
-        "its replay is not implemented yet"
-    ),
 }
 
 

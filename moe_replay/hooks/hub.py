@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from . import sparsemixer
 from .discover import RouterSite, find_routers
 from .steps import Step, StepTracker
 
@@ -60,8 +61,11 @@ class _Call:
     plan: Plan | None
     record: bool
     num_experts: int | None = None
+    sparsemixer: bool = False
     replaced: int = 0
     seen: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)  # (last dim, k, numel, indices)
+    picks: dict[int, torch.Tensor] = field(default_factory=dict)  # sparsemixer: pick slot -> indices [N, 1]
+    max_counts: list[int] = field(default_factory=lambda: [0, 0])
 
 
 class _TopkMode(TorchFunctionMode):
@@ -71,9 +75,11 @@ class _TopkMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if func not in _TOPK:
-            return func(*args, **kwargs)
-        return self.hub._topk(self.call, func, args, kwargs)
+        if func in _TOPK:
+            return self.hub._topk(self.call, func, args, kwargs)
+        if self.call.sparsemixer and func in sparsemixer.MAX_FUNCS:
+            return self.hub._max(self.call, func, args, kwargs)
+        return func(*args, **kwargs)
 
 
 class RouterHub:
@@ -187,6 +193,7 @@ class RouterHub:
                 if self.model.training and _checkpointing(self.model):
                     self.pending[i].append(plan)
         call = _Call(i, name, step, plan, record=bool(self.recorders) and not recompute)
+        call.sparsemixer = type(self.sites[i].router).__name__ in sparsemixer.ROUTER_CLASSES
         self._calls[i] = call
         return call
 
@@ -198,7 +205,7 @@ class RouterHub:
                     f"router {call.layer!r} has E={call.num_experts} experts but the routes hold "
                     f"E={call.plan.num_experts} for it"
                 )
-            if call.replaced == 0:
+            if call.replaced < (call.plan.top_k if call.sparsemixer else 1):
                 raise ReplayError(
                     f"replay could not be applied at {call.layer!r} ({type(site.router).__name__}): no top-k with "
                     f"k={call.plan.top_k} over E={call.plan.num_experts} scores of each of the forward's "
@@ -208,6 +215,8 @@ class RouterHub:
             return
         E = call.num_experts
         picked = [s for s in call.seen if s[0] == E and s[2] == E * call.step.tokens]
+        if call.picks:
+            picked = [(E, len(call.picks), 0, torch.cat([call.picks[j] for j in sorted(call.picks)], -1))]
         if not picked:
             raise ReplayError(
                 f"could not record {call.layer!r} ({type(site.router).__name__}): no top-k over its E={E} scores for "
@@ -238,6 +247,24 @@ class RouterHub:
             out = func(*args, **kwargs)
         if call.record and last:
             call.seen.append((x.shape[-1], k, x.numel(), out[1]))
+        return out
+
+    def _max(self, call: _Call, func: Any, args: tuple, kwargs: dict) -> Any:
+        x, dim, keepdim = sparsemixer.max_args(args, kwargs)
+        n = call.step.tokens
+        if dim not in (-1, x.dim() - 1) or x.numel() != n * x.shape[-1]:
+            return func(*args, **kwargs)
+        slot, is_pick = sparsemixer.slot_of(call.max_counts, keepdim, self.sites[call.site].router.training)
+        plan = call.plan
+        if slot is None or (plan is not None and (slot >= plan.top_k or x.shape[-1] != plan.num_experts)):
+            return func(*args, **kwargs)
+        if plan is not None:
+            out = sparsemixer.forced_max(func, args, kwargs, plan.indices[:, slot], plan.mask, plan.all_recorded)
+            call.replaced += is_pick
+        else:
+            out = func(*args, **kwargs)
+        if call.record and is_pick:
+            call.picks[slot] = out[1].reshape(n, 1)
         return out
 
     @staticmethod
