@@ -174,3 +174,14 @@ def test_saved_routes_replay(tmp_path, qwen):
     rec.routes.save(tmp_path / "r.safetensors")
     with replay_routes(qwen, Routes.load(tmp_path / "r.safetensors")):
         assert torch.equal(qwen(ids, attention_mask=mask).logits, ref)
+
+
+def test_more_than_256_experts_use_int16_and_replay_exactly():
+    model = tiny_qwen3_moe(experts=300, top_k=4)
+    ids, mask = left_padded(2, 6, [0, 2])
+    with record_routes(model) as rec:
+        ref = model(ids, attention_mask=mask).logits
+    routes = rec.routes
+    assert routes.indices.dtype == torch.int16 and int(routes.indices.max()) >= 256  # ids above uint8 survive
+    with replay_routes(model, routes):
+        assert torch.equal(model(ids, attention_mask=mask).logits, ref)
