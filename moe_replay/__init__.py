@@ -8,6 +8,7 @@ Example:
     ...     logits = model(out.sequences).logits
 """
 
+from .analysis import ExpertChange, expert_change, measure_mismatch, measure_update_drift, teacher_forced_routes
 from .hooks import (
     ReplayError,
     UnsupportedGenerationError,
@@ -21,6 +22,7 @@ from .routes import LayerInfo, Routes, RoutesFileError
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertChange",
     "LayerInfo",
     "ReplayError",
     "Routes",
@@ -28,7 +30,11 @@ __all__ = [
     "UnsupportedGenerationError",
     "UnsupportedModelError",
     "__version__",
+    "expert_change",
     "find_routers",
+    "measure_mismatch",
+    "measure_update_drift",
     "record_routes",
     "replay_routes",
+    "teacher_forced_routes",
 ]

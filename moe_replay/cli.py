@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import __version__
+from . import __version__, cli_drift
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,12 +20,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="record routes while sampling from a tiny MoE, update it, replay them")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--lr", type=float, default=1e-4, help="learning rate of the one Adam step (default 1e-4)")
+    cli_drift.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
 
         run(seed=args.seed, lr=args.lr)
         return 0
+    if args.command == "drift":
+        return cli_drift.run(args)
     parser.print_help()
     return 0
 

@@ -1,0 +1,77 @@
+"""Routing drift of a live model: after an optimizer update, and between two ways of running the same policy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..hooks import record_routes
+from ..routes import Routes
+from .metrics import ExpertChange, expert_change
+
+
+def teacher_forced_routes(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+) -> Routes:
+    """Record the routes of one no-grad teacher-forced forward over `sequences` [B, T], in eval mode (no dropout or
+    router noise; the model's mode is restored).
+
+    Example:
+        >>> routes = teacher_forced_routes(model, out.sequences, mask)  # doctest: +SKIP
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), record_routes(model) as rec:
+            model(sequences, attention_mask=attention_mask, position_ids=position_ids)
+    finally:
+        model.train(was_training)
+    return rec.routes
+
+
+def measure_update_drift(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    update: Callable[[], object],
+    position_ids: torch.Tensor | None = None,
+) -> ExpertChange:
+    """How many routed experts an update moves: teacher-forced routes on the same tokens before and after `update()`.
+
+    Example:
+        >>> loss.backward()  # doctest: +SKIP
+        >>> drift = measure_update_drift(model, seq, mask, update=lambda: opt.step())  # doctest: +SKIP
+        >>> drift.fraction  # doctest: +SKIP
+    """
+    before = teacher_forced_routes(model, sequences, attention_mask, position_ids=position_ids)
+    update()
+    after = teacher_forced_routes(model, sequences, attention_mask, position_ids=position_ids)
+    return expert_change(before, after, label="before vs after one update")
+
+
+def measure_mismatch(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    routes: Routes,
+    *,
+    position_ids: torch.Tensor | None = None,
+    label: str = "rollout vs trainer",
+) -> ExpertChange:
+    """Training/inference routing mismatch: `routes` recorded elsewhere (during `generate`, by another engine, in
+    another precision) against a teacher-forced forward of `model` on the same `sequences`.
+
+    Example:
+        >>> with record_routes(sampler) as rec:  # doctest: +SKIP
+        ...     out = sampler.generate(**batch, do_sample=True, return_dict_in_generate=True)
+        >>> measure_mismatch(trainer, out.sequences, mask, rec.routes).fraction  # doctest: +SKIP
+    """
+    trainer = teacher_forced_routes(model, sequences, attention_mask, position_ids=position_ids)
+    return expert_change(routes, trainer, label=label)
