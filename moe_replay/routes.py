@@ -151,6 +151,8 @@ class Routes:
     # ---- slicing and joining -------------------------------------------------------------------------------
     def __getitem__(self, idx: IndexLike) -> Routes:
         """Select sequences (a minibatch); an int keeps the batch dim (B=1)."""
+        if not isinstance(idx, slice | int) and _is_integer_scalar(idx):
+            idx = int(idx)
         if isinstance(idx, int):
             if not -self.batch_size <= idx < self.batch_size:
                 raise IndexError(f"index {idx} out of range for B={self.batch_size}")
@@ -286,6 +288,13 @@ def _check_values(indices: torch.Tensor, mask: torch.Tensor, layers: tuple[Layer
                 f"duplicate experts {rec[n, layer_i].tolist()} at sequence {b}, position {t}, "
                 f"layer {layers[layer_i].name!r}: the K experts of a token must be distinct"
             )
+
+
+def _is_integer_scalar(x: object) -> bool:
+    """A 0-d integer tensor or a numpy integer: an index that keeps the batch dim like an int."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not x.dtype.is_floating_point and x.dtype != torch.bool
+    return hasattr(x, "__index__") and not isinstance(x, bool)
 
 
 def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:

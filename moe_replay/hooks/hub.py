@@ -15,6 +15,8 @@ experts; it is stored on the model and removed with the last context.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import sparsemixer
 from .discover import RouterSite, find_routers
+from .generation import check_generation, eos_token_ids
 from .steps import Step, StepTracker
 
 _HUB_ATTR = "_moe_replay_hub"
@@ -47,6 +50,8 @@ class Plan:
 
 class Recorder(Protocol):
     def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
+
+    def on_generate(self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int]) -> None: ...
 
 
 class Replayer(Protocol):
@@ -88,13 +93,15 @@ class RouterHub:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.sites: list[RouterSite] = find_routers(model)
-        self.tracker = StepTracker(model)
+        self.tracker = StepTracker()
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
-        self.pending: list[list[Plan]] = [[] for _ in self.sites]  # plans to reuse in checkpoint recomputes
+        # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
+        self.pending: list[list[tuple[Replayer, Step, Plan]]] = [[] for _ in self.sites]
         self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[_Call | None] = [None] * len(self.sites)
-        self._undo: list[Any] = []
+        self._undo: list[Callable[[], None]] = []
+        self._generating = 0
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     @classmethod
@@ -102,6 +109,13 @@ class RouterHub:
         hub = model.__dict__.get(_HUB_ATTR)
         if hub is None:
             hub = cls(model)
+            for site in hub.sites:
+                other = getattr(site.router.__dict__.get("forward"), _HUB_ATTR, None)
+                if other is not None:
+                    raise ReplayError(
+                        f"router {site.name!r} is already hooked by a context opened on "
+                        f"{type(other.model).__name__}; open every record/replay context of a model on the same module"
+                    )
             hub._install()
             model.__dict__[_HUB_ATTR] = hub
         (hub.replayers if replay else hub.recorders).append(handler)
@@ -111,28 +125,100 @@ class RouterHub:
         for group in (self.recorders, self.replayers):
             if any(h is handler for h in group):
                 group[:] = [h for h in group if h is not handler]
+        for plans in self.pending:
+            plans[:] = [p for p in plans if p[0] is not handler]
         if not self.recorders and not self.replayers:
             self._uninstall()
             self.model.__dict__.pop(_HUB_ATTR, None)
 
+    def pending_for(self, handler: Replayer) -> int:
+        """Replayed router calls still waiting for their recompute in the backward."""
+        return sum(p[0] is handler for plans in self.pending for p in plans)
+
     def _install(self) -> None:
-        handle = self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
-        self._undo.append(handle.remove)
+        for module in self._tracked_modules():
+            self._patch(module, "forward", self._step_wrapper)
+            if callable(getattr(module, "generate", None)):
+                self._patch(module, "generate", self._generate_wrapper)
         for i, site in enumerate(self.sites):
-            self._wrap_forward(i, site.scope, logits_index=None)
-            self._wrap_forward(i, site.router, logits_index=site.logits_index)
+            self._patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
+            self._patch(
+                site.router, "forward", lambda inner, i=i, s=site: self._scope_wrapper(i, inner, s.logits_index)
+            )
 
     def _uninstall(self) -> None:
         while self._undo:
             self._undo.pop()()
 
-    def _wrap_forward(self, i: int, module: nn.Module, logits_index: int | None) -> None:
-        """Intercept top-k calls while `module` runs. Both the router and its parent block are wrapped: the outer of the
-        two that runs opens the interception (DBRX takes the top-k in the block, JetMoE's attention experts call the
+    def _tracked_modules(self) -> list[nn.Module]:
+        """The model and every transformers model inside it that holds routers: their outermost forward is a step."""
+        from transformers import PreTrainedModel
+
+        names = [site.name for site in self.sites]
+        found = [self.model]
+        for prefix, module in self.model.named_modules():
+            if prefix and isinstance(module, PreTrainedModel) and all(n.startswith(prefix + ".") for n in names):
+                found.append(module)
+        return found
+
+    def _patch(self, module: nn.Module, attr: str, make: Callable[[Any], Any]) -> None:
+        """Replace `module.<attr>` by `make(original)` on the instance; undone (in reverse order) on uninstall."""
+        had_own = attr in module.__dict__
+        previous = module.__dict__.get(attr)
+        inner = getattr(module, attr)
+        wrapper = functools.wraps(inner)(make(inner))
+        setattr(wrapper, _HUB_ATTR, self)
+        module.__dict__[attr] = wrapper
+
+        def undo() -> None:
+            if had_own:
+                module.__dict__[attr] = previous
+            else:
+                module.__dict__.pop(attr, None)
+
+        self._undo.append(undo)
+
+    # ---- wrappers ------------------------------------------------------------------------------------------
+    def _step_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            tracker = self.tracker
+            if tracker.depth:  # an inner model called by the outer one: the same step
+                return inner(*args, **kwargs)
+            keep = any(m.training and _checkpointing(m) for m in self._tracked_modules())
+            tracker.begin(inner, args, kwargs, keep)
+            tracker.depth += 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                tracker.depth -= 1
+                tracker.current = None
+
+        return forward
+
+    def _generate_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if self._generating:
+                return inner(*args, **kwargs)
+            check_generation(self.model, args, kwargs)
+            first = self.tracker.stream + 1
+            self._generating += 1
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                self._generating -= 1
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            if isinstance(sequences, torch.Tensor):
+                streams = range(first, self.tracker.stream + 1)
+                for rec in self.recorders:
+                    rec.on_generate(streams, sequences, eos_token_ids(self.model, kwargs))
+            return out
+
+        return generate
+
+    def _scope_wrapper(self, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
+        """Intercept top-k calls while the router's block (or the router) runs. Both are wrapped: the outer of the two
+        that runs opens the interception (DBRX takes the top-k in the block, JetMoE's attention experts call the
         router from a method other than the block's forward)."""
-        had_own = "forward" in module.__dict__
-        previous = module.__dict__.get("forward")
-        inner = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             call = self._calls[i]
@@ -142,6 +228,9 @@ class RouterHub:
                     call.num_experts = _num_scores(out, logits_index)
                 return out
             call = self._begin(i)
+            if call is None:
+                return inner(*args, **kwargs)
+            self._calls[i] = call
             try:
                 with _TopkMode(self, call):
                     out = inner(*args, **kwargs)
@@ -152,50 +241,33 @@ class RouterHub:
             self._end(call)
             return out
 
-        module.forward = forward
+        return forward
 
-        def undo() -> None:
-            if had_own:
-                module.forward = previous
-            else:
-                del module.forward
-
-        self._undo.append(undo)
-
-    # ---- hooks ---------------------------------------------------------------------------------------------
-    def _on_model_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.tracker.on_forward(args, kwargs)
-
-    def _begin(self, i: int) -> _Call:
+    def _begin(self, i: int) -> _Call | None:
+        """Open one router call: which layer it is, which routes it must use, whether it is recorded."""
+        site = self.sites[i]
+        if torch._C._current_graph_task_id() != -1:  # a checkpoint recompute inside the backward
+            if not self.pending[i]:
+                return None  # its forward routed live: so does the recompute
+            _, step, plan = self.pending[i].pop()  # the backward recomputes the latest forward first
+            return _Call(i, site.name, step, plan, record=False, sparsemixer=_is_sparsemixer(site))
         step = self.tracker.current
         if step is None:
             raise ReplayError(
-                f"router {self.sites[i].name!r} ran outside a forward of {type(self.model).__name__}: call the model "
-                "that was given to record_routes / replay_routes"
+                f"router {site.name!r} ran outside a forward of {type(self.model).__name__}: call the model that was "
+                "given to record_routes / replay_routes"
             )
-        recompute = torch._C._current_graph_task_id() != -1
-        name = self.sites[i].name
-        if not recompute:  # a router run again in the same forward (looped layers) is a layer of its own
-            last, n = self._occurrence[i]
-            n = n + 1 if last is step else 0
-            self._occurrence[i] = (step, n)
-            name = f"{name}#{n}" if n else name
+        last, n = self._occurrence[i]  # a router run again in the same forward (looped layers) is a layer of its own
+        n = n + 1 if last is step else 0
+        self._occurrence[i] = (step, n)
+        name = f"{site.name}#{n}" if n else site.name
         plan = None
         if self.replayers:
-            if recompute:
-                if not self.pending[i]:
-                    raise ReplayError(
-                        f"router {self.sites[i].name!r} was recomputed but no replayed forward is pending"
-                    )
-                plan = self.pending[i].pop()
-            else:
-                plan = self.replayers[-1].plan(name, step)
-                if self.model.training and _checkpointing(self.model):
-                    self.pending[i].append(plan)
-        call = _Call(i, name, step, plan, record=bool(self.recorders) and not recompute)
-        call.sparsemixer = type(self.sites[i].router).__name__ in sparsemixer.ROUTER_CLASSES
-        self._calls[i] = call
-        return call
+            replayer = self.replayers[-1]
+            plan = replayer.plan(name, step)
+            if step.keep:
+                self.pending[i].append((replayer, step, plan))
+        return _Call(i, name, step, plan, record=bool(self.recorders), sparsemixer=_is_sparsemixer(site))
 
     def _end(self, call: _Call) -> None:
         site = self.sites[call.site]
@@ -207,9 +279,10 @@ class RouterHub:
                 )
             if call.replaced < (call.plan.top_k if call.sparsemixer else 1):
                 raise ReplayError(
-                    f"replay could not be applied at {call.layer!r} ({type(site.router).__name__}): no top-k with "
-                    f"k={call.plan.top_k} over E={call.plan.num_experts} scores of each of the forward's "
-                    f"{call.step.tokens} tokens was seen"
+                    f"replay could not be applied at {call.layer!r} ({type(site.router).__name__}): the routes hold "
+                    f"k={call.plan.top_k} of E={call.plan.num_experts} experts for each of the forward's "
+                    f"{call.step.tokens} tokens, but the router's top-k calls were (E, k) = "
+                    f"{[(e, k) for e, k, _, _ in call.seen]}"
                 )
         if not call.record:
             return
@@ -245,7 +318,7 @@ class RouterHub:
                 out = self._forced_groups(x, k, plan, call.layer)
         if out is None:
             out = func(*args, **kwargs)
-        if call.record and last:
+        if last and (call.record or call.plan is not None):
             call.seen.append((x.shape[-1], k, x.numel(), out[1]))
         return out
 
@@ -292,6 +365,10 @@ class RouterHub:
         idx = torch.topk(flat.masked_fill(need, float("inf")), k, dim=-1).indices
         idx = idx.reshape(*x.shape[:-1], k)
         return torch.return_types.topk((x.gather(-1, idx), idx))
+
+
+def _is_sparsemixer(site: RouterSite) -> bool:
+    return type(site.router).__name__ in sparsemixer.ROUTER_CLASSES
 
 
 def _checkpointing(model: nn.Module) -> bool:

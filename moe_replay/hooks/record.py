@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -11,10 +11,6 @@ from torch import nn
 from ..routes import LayerInfo, Routes, index_dtype
 from .hub import RouterHub
 from .steps import Step
-
-
-class UnsupportedGenerationError(ValueError):
-    """A generation mode whose routes cannot be placed on the output sequences (beam search, assisted decoding)."""
 
 
 @dataclass
@@ -25,6 +21,7 @@ class _Stream:
     steps: list[Step] = field(default_factory=list)
     per_step: list[dict[str, torch.Tensor]] = field(default_factory=list)  # [step][layer name] -> [B, t, K]
     final_len: int | None = None
+    ended: torch.Tensor | None = None  # bool [B, T_total]: at or after a row's end-of-sequence token (generate)
 
 
 class RouteRecorder:
@@ -35,20 +32,16 @@ class RouteRecorder:
         self._hub: RouterHub | None = None
         self._streams: dict[int, _Stream] = {}
         self._experts: dict[str, int] = {}  # layer name -> E, in the order the layers first ran
-        self._restore_generate: Any = None
 
     # ---- context -----------------------------------------------------------------------------------------------
     def __enter__(self) -> RouteRecorder:
         if self._hub is not None:
             raise RuntimeError("this recorder is already active")
+        self._streams, self._experts = {}, {}
         self._hub = RouterHub.attach(self.model, self, replay=False)
-        self._wrap_generate()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._restore_generate is not None:
-            self._restore_generate()
-            self._restore_generate = None
         if self._hub is not None:
             self._hub.detach(self)
             self._hub = None
@@ -65,6 +58,19 @@ class RouteRecorder:
         if known != num_experts:
             raise ValueError(f"router {layer!r} changed from E={known} to E={num_experts}")
         stream.per_step[-1][layer] = indices.to(index_dtype(num_experts))
+
+    def on_generate(self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int]) -> None:
+        """After a `generate`: routes span `out.sequences`, and end at each row's end-of-sequence token."""
+        for sid in streams:
+            stream = self._streams.get(sid)
+            if stream is None:
+                continue
+            stream.final_len = sequences.shape[1]
+            if eos:
+                prompt = stream.steps[0].length
+                is_eos = torch.isin(sequences[:, prompt:], torch.tensor(eos, device=sequences.device))
+                ended = is_eos.cumsum(1) > 0  # the EOS token itself is fed only as padding for finished rows
+                stream.ended = torch.cat([ended.new_zeros(ended.shape[0], prompt), ended], 1)
 
     # ---- results -------------------------------------------------------------------------------------------------
     @property
@@ -101,55 +107,9 @@ class RouteRecorder:
             span = slice(step.start, step.start + step.length)
             indices[:, span] = torch.stack([row[layer.name].to(dtype) for layer in layers], dim=2)
             mask[:, span] = step.real.to(mask.device)
+        if stream.ended is not None:
+            mask &= ~stream.ended.to(mask.device)[:, :T]
         return Routes._trusted(indices, mask, tuple(layers))
-
-    # ---- generate ----------------------------------------------------------------------------------------------
-    def _wrap_generate(self) -> None:
-        model = self.model
-        inner = getattr(model, "generate", None)
-        if inner is None:
-            return
-        had_own = "generate" in model.__dict__
-        previous = model.__dict__.get("generate")
-
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            _check_generation_mode(model, kwargs)
-            before = set(self._streams)
-            out = inner(*args, **kwargs)
-            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-            if isinstance(sequences, torch.Tensor):
-                for sid in set(self._streams) - before:
-                    self._streams[sid].final_len = sequences.shape[1]
-            return out
-
-        model.__dict__["generate"] = generate
-
-        def restore() -> None:
-            if had_own:
-                model.__dict__["generate"] = previous
-            else:
-                model.__dict__.pop("generate", None)
-
-        self._restore_generate = restore
-
-
-def _check_generation_mode(model: nn.Module, kwargs: dict[str, Any]) -> None:
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-
-    def get(name: str, default: Any) -> Any:
-        return kwargs.get(name, getattr(config, name, default) if config is not None else default)
-
-    if (get("num_beams", 1) or 1) > 1:
-        raise UnsupportedGenerationError(
-            f"record_routes cannot follow beam search (num_beams={get('num_beams', 1)}): beams are reordered between "
-            "steps, so routes would not line up with the output; sample with num_beams=1"
-        )
-    for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
-        if get(name, None) is not None:
-            raise UnsupportedGenerationError(
-                f"record_routes cannot follow assisted decoding ({name} is set): rejected draft tokens are routed too, "
-                "and the cache is rolled back; generate without an assistant"
-            )
 
 
 def record_routes(model: nn.Module) -> RouteRecorder:

@@ -21,30 +21,35 @@ class RouteReplayer:
         self._hub: RouterHub | None = None
         self._mask_cpu = routes.mask.cpu()
         self._covered = torch.zeros(routes.seq_len, len(routes.layers), dtype=torch.bool)
-        self._columns = {name: i for i, name in enumerate(routes.layer_names)}
+        self._columns: dict[str, int] = {}
 
     def __enter__(self) -> RouteReplayer:
         if self._hub is not None:
             raise RuntimeError("this replay context is already active")
         hub = RouterHub.attach(self.model, self, replay=True)
-        names = [site.name for site in hub.sites]
-        held = self.routes.layer_names
-        base = [name.partition("#")[0] for name in held]  # `name#n`: the n-th extra run of a looped router
-        if set(base) != set(names):  # routes are applied by layer name; their order is the order the layers ran
+        try:
+            self._columns = _match_layers([site.name for site in hub.sites], self.routes.layer_names, self.model)
+        except ReplayError:
             hub.detach(self)
-            diff = sorted(set(names) ^ set(base))
-            model = type(self.model).__name__
-            raise ReplayError(f"routes hold layers {held} but {model} has routers {names} (differ: {diff})")
+            raise
+        self._covered.zero_()
         self._hub = hub
         return self
 
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         if self._hub is None:
             return
+        waiting = self._hub.pending_for(self)
         self._hub.detach(self)
         self._hub = None
-        if exc_type is None:
-            self._check_consumed()
+        if exc_type is not None:
+            return
+        if waiting:
+            raise ReplayError(
+                f"{waiting} replayed router calls still wait for their recompute: with activation checkpointing the "
+                "backward re-runs the routers, so call loss.backward() inside `with replay_routes(...)`"
+            )
+        self._check_consumed()
 
     def plan(self, name: str, step: Step) -> Plan:
         r = self.routes
@@ -76,6 +81,31 @@ class RouteReplayer:
                 f"replay left recorded routes unused: layers {layers} at positions {shown} were never run "
                 f"(routes hold T={self.routes.seq_len}); forward the full sequences inside the context"
             )
+
+
+def _match_layers(names: list[str], held: list[str], model: nn.Module) -> dict[str, int]:
+    """Map each router call name of the model (`name`, `name#n` for looped runs) to its column in the routes.
+
+    Names match exactly or, for a model wrapped in another module (a PEFT model, a DDP wrapper) or recorded on an inner
+    module, by a unique dotted suffix. Every router of the model must have routes and every route layer a router.
+    """
+    base = {h: h.partition("#")[0] for h in held}
+    mapping: dict[str, str] = {}
+    for b in set(base.values()):
+        if b in names:
+            mapping[b] = b
+            continue
+        hits = [n for n in names if n.endswith("." + b) or b.endswith("." + n)]
+        if len(hits) == 1:
+            mapping[b] = hits[0]
+    missing = sorted(set(names) - set(mapping.values()))
+    unknown = sorted(set(base.values()) - set(mapping))
+    if missing or unknown or len(set(mapping.values())) != len(mapping):
+        raise ReplayError(
+            f"routes hold layers {held} but {type(model).__name__} has routers {names} "
+            f"(routers without routes: {missing}; route layers without a router: {unknown})"
+        )
+    return {mapping[base[h]] + h[len(base[h]) :]: i for i, h in enumerate(held)}
 
 
 def replay_routes(model: nn.Module, routes: Routes) -> RouteReplayer:

@@ -1,0 +1,49 @@
+"""What `generate` modes routes can follow: sampling or greedy with a KV cache, one position per step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+class UnsupportedGenerationError(ValueError):
+    """A generation mode whose routes cannot be placed on the output sequences (beam search, assisted decoding)."""
+
+
+def _setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return kwargs.get(name, getattr(config, name, default) if config is not None else default)
+
+
+def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise UnsupportedGenerationError for generate calls whose routes would not line up with `out.sequences`."""
+    if (_setting(model, kwargs, "num_beams", 1) or 1) > 1:
+        raise UnsupportedGenerationError(
+            f"moe-replay cannot follow beam search (num_beams={_setting(model, kwargs, 'num_beams')}): beams are "
+            "reordered between steps, so routes would not line up with the output; sample with num_beams=1"
+        )
+    for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
+        if _setting(model, kwargs, name) is not None:
+            raise UnsupportedGenerationError(
+                f"moe-replay cannot follow assisted decoding ({name} is set): rejected draft tokens are routed too "
+                "and the cache is rolled back; generate without an assistant"
+            )
+    if _setting(model, kwargs, "use_cache", True) is False:
+        raise UnsupportedGenerationError(
+            "moe-replay follows generate step by step through its KV cache; use_cache=False re-runs every position "
+            "at every step: generate with use_cache=True"
+        )
+    if not args and kwargs.get("input_ids") is None and kwargs.get("inputs_embeds") is not None:
+        raise UnsupportedGenerationError(
+            "generate(inputs_embeds=...) returns sequences without the prompt, so routes cannot line up with "
+            "out.sequences; pass input_ids (or record a plain forward over inputs_embeds)"
+        )
+
+
+def eos_token_ids(model: nn.Module, kwargs: dict[str, Any]) -> list[int]:
+    """The end-of-sequence ids `generate` stops on (empty if none)."""
+    eos = _setting(model, kwargs, "eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]

@@ -1,0 +1,176 @@
+"""Edge cases found in review: checkpointed backward outside the context, generate modes, early EOS, wrappers,
+stale steps, reuse, overlapping contexts, scalar indices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PAD, hook_count, left_padded, tiny_qwen3_moe
+from torch import nn
+
+from moe_replay import ReplayError, UnsupportedGenerationError, record_routes, replay_routes
+
+
+def recorded(model, ids, mask):
+    with record_routes(model) as rec:
+        model(ids, attention_mask=mask)
+    return rec.routes
+
+
+def perturb(model, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3 * p.std().clamp(min=1e-3))
+
+
+def test_checkpointed_backward_outside_the_context_is_refused(qwen):
+    ids, mask = left_padded(2, 6, [0, 1])
+    routes = recorded(qwen, ids, mask)
+    qwen.train()
+    qwen.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    before = hook_count(qwen)  # transformers adds an input hook for reentrant checkpointing
+    with pytest.raises(ReplayError, match=r"call loss.backward\(\) inside"):
+        with replay_routes(qwen, routes):
+            loss = qwen(ids, attention_mask=mask, labels=ids).loss
+    assert hook_count(qwen) == before
+    with torch.no_grad(), replay_routes(qwen, routes):  # no backward coming: nothing waits, no error
+        qwen(ids, attention_mask=mask)
+    del loss
+
+
+def test_accumulating_differently_shaped_forwards_under_checkpointing():
+    model = tiny_qwen3_moe()
+    a_ids, a_mask = left_padded(2, 6, [0, 1], seed=1)
+    b_ids, b_mask = left_padded(3, 9, [2, 0, 0], seed=2)
+    ra, rb = recorded(model, a_ids, a_mask), recorded(model, b_ids, b_mask)
+    perturb(model)
+    model.train()
+
+    def grads(checkpointing):
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.zero_grad(set_to_none=True)
+        with replay_routes(model, ra):
+            la = model(a_ids, attention_mask=a_mask, labels=a_ids).loss
+            with replay_routes(model, rb):  # the inner context replays rb; both backwards run inside their contexts
+                lb = model(b_ids, attention_mask=b_mask, labels=b_ids).loss
+                lb.backward()
+            la.backward()
+        model.gradient_checkpointing_disable()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, ckpt = grads(False), grads(True)
+    for n in plain:
+        torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"use_cache": False}, "use_cache=True"), ({"num_beams": 2}, "beam search")],
+)
+def test_generate_modes_that_cannot_be_followed(qwen, kwargs, match):
+    ids, mask = left_padded(2, 4, [0, 1])
+    with pytest.raises(UnsupportedGenerationError, match=match), record_routes(qwen):
+        qwen.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, **kwargs)
+    embeds = qwen.get_input_embeddings()(ids)
+    with pytest.raises(UnsupportedGenerationError, match="inputs_embeds"), record_routes(qwen):
+        qwen.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD)
+
+
+def test_rows_end_at_their_eos_token():
+    model = tiny_qwen3_moe(seed=4)
+    ids, mask = left_padded(6, 4, [0, 1, 0, 2, 0, 0], seed=4)
+    eos = 7
+    with torch.no_grad():  # make EOS likely so some rows stop early
+        model.lm_head.weight[eos] += 0.3
+    torch.manual_seed(0)
+    with record_routes(model) as rec:
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=8,
+            eos_token_id=eos,
+            pad_token_id=PAD,
+            return_dict_in_generate=True,
+        )
+    seq, routes = out.sequences, rec.routes
+    finished = 0
+    for b in range(seq.shape[0]):
+        hits = (seq[b, 4:] == eos).nonzero()
+        end = 4 + int(hits[0]) if len(hits) else seq.shape[1] - 1
+        finished += bool(len(hits)) and end < seq.shape[1] - 1
+        # recorded: real prompt tokens and generated tokens before the row's last sampled one (its EOS)
+        assert routes.mask[b, :end].tolist() == mask[b].bool().tolist() + [True] * (end - 4)
+        assert not routes.mask[b, end:].any()
+    assert finished > 0  # some row stopped before the others: the check above covered post-EOS padding
+
+
+class Wrapper(nn.Module):
+    """A PEFT-like wrapper: forward(*args, **kwargs) and generate passed through."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+
+def test_wrapped_model_records_and_replays_on_the_inner_model(qwen):
+    wrapped = Wrapper(qwen)
+    ids, mask = left_padded(2, 5, [0, 2])
+    with record_routes(wrapped) as rec:
+        ref = wrapped(input_ids=ids, attention_mask=mask).logits
+        wrapped(ids, mask)  # positional call: a second batch
+        out = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD)
+    first, _, gen = rec.batches
+    assert first.layer_names[0] == "inner.model.layers.0.mlp.gate" and gen.seq_len == out.shape[1]
+    with replay_routes(qwen, first):  # names matched by their dotted suffix
+        assert torch.equal(qwen(ids, attention_mask=mask).logits, ref)
+    assert hook_count(wrapped) == 0
+
+
+def test_inner_model_call_is_its_own_step(qwen):
+    ids, mask = left_padded(2, 5, [0, 1])
+    with record_routes(qwen) as rec:
+        qwen(ids, attention_mask=mask)
+        qwen.model(ids, attention_mask=mask)
+    assert len(rec.batches) == 2 and all("#" not in n for n in rec.routes.layer_names)
+
+
+def test_contexts_are_reusable(qwen):
+    ids, mask = left_padded(2, 5, [0, 1])
+    rec = record_routes(qwen)
+    with rec:
+        qwen(ids, attention_mask=mask)
+    first = rec.routes
+    with rec:
+        qwen(ids[:1], attention_mask=mask[:1])
+    assert rec.routes.batch_size == 1 and first.batch_size == 2
+    rep = replay_routes(qwen, first)
+    with rep:
+        qwen(ids, attention_mask=mask)
+    with pytest.raises(ReplayError, match="never run"), rep:
+        pass
+
+
+def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
+    with record_routes(qwen):
+        with pytest.raises(ReplayError, match="already hooked by a context opened on Qwen3MoeForCausalLM"):
+            with record_routes(qwen.model):
+                pass
+    assert hook_count(qwen) == 0
+
+
+def test_scalar_tensor_index_keeps_batch_dim(qwen):
+    ids, mask = left_padded(3, 5, [0, 1, 0])
+    routes = recorded(qwen, ids, mask)
+    import numpy as np
+
+    for i in (torch.tensor(1), np.int64(1), 1):
+        assert routes[i].shape == (1, 5, 2, 2) and torch.equal(routes[i].indices, routes.indices[1:2])
