@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from . import __version__, cli_drift
+from . import __version__, cli_drift, cli_train
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--lr", type=float, default=1e-4, help="learning rate of the one Adam step (default 1e-4)")
     cli_drift.add_parser(sub)
+    cli_train.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run
@@ -29,6 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "drift":
         return cli_drift.run(args)
+    if args.command == "train":
+        return cli_train.run(args)
     parser.print_help()
     return 0
 

@@ -1,0 +1,277 @@
+"""The RL loop: sample B prompts x G answers with routes recorded, reward, advantages, old log-probs, then μ minibatch
+updates with GRPO / GSPO / GSPO-token, with or without Routing Replay. Logs are tidy CSVs, flushed every step; a
+checkpoint every few steps lets a killed run resume and produce the same log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..analysis import expert_change, teacher_forced_routes
+from ..hooks import record_routes, replay_routes
+from ..routes import Routes
+from .config import TrainConfig
+from .losses import group_advantages, policy_loss
+from .policy import build_policy, sampled_reward, warm_start
+from .tasks import PAD, Task
+
+STEP_LOG, MINIBATCH_LOG, CHECKPOINT = "steps.csv", "minibatches.csv", "checkpoint"
+
+
+def answer_logp(model: nn.Module, sequences: torch.Tensor, prompt_len: int, routes: Routes | None = None):  # noqa: ANN201
+    """[N, A] log-probabilities of the answer tokens (positions from `prompt_len` on), replaying `routes` if given."""
+    ctx = replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
+    with ctx:
+        logits = model(sequences, attention_mask=torch.ones_like(sequences), output_router_logits=False).logits
+    logits = logits[:, prompt_len - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, sequences[:, prompt_len:, None]).squeeze(-1)
+
+
+class Run:
+    """One training run (see `train`)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.cfg = config
+        self.out = Path(config.output)
+        self.task = Task(config.task, config.task_size)
+        self.step = 0
+
+    # ---- set-up ------------------------------------------------------------------------------------------------
+    def setup(self, resume: bool, progress: bool) -> None:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        ckpt = self.out / CHECKPOINT
+        if resume and (ckpt / "state.pt").exists():
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(ckpt)
+            self._make_optimizer()
+            state = torch.load(ckpt / "state.pt", weights_only=False)
+            self.opt.load_state_dict(state["optimizer"])
+            self.step = state["step"]
+            torch.set_rng_state(state["torch_rng"])
+            self.task_gen.set_state(state["task_rng"])
+            self.perm_gen.set_state(state["perm_rng"])
+            _truncate(self.out / STEP_LOG, self.step)
+            _truncate(self.out / MINIBATCH_LOG, self.step)
+            return
+        for name in (STEP_LOG, MINIBATCH_LOG):
+            (self.out / name).unlink(missing_ok=True)
+        self.model = self._initial_policy(progress)
+        torch.manual_seed(cfg.seed)
+        self._make_optimizer()
+
+    def _make_optimizer(self) -> None:
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr)
+        self.task_gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        self.perm_gen = torch.Generator().manual_seed(self.cfg.seed + 2)
+
+    def _initial_policy(self, progress: bool) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.cfg
+        init = Path(cfg.init) if cfg.init else self.out / "init"
+        if not (init / "config.json").exists():  # warm start once; runs that name the same `init` share it
+            model = build_policy(cfg.policy, seed=cfg.seed)
+            bar = _bar(cfg.warm_start_steps, "warm start", progress)
+            warm_start(
+                model,
+                self.task,
+                steps=cfg.warm_start_steps,
+                lr=cfg.warm_start_lr,
+                seed=cfg.seed,
+                target_reward=cfg.warm_start_target,
+                progress=lambda s, loss, r: bar.update(1) or bar.set_postfix(loss=f"{loss:.3f}", reward=r),
+            )
+            bar.close()
+            model.save_pretrained(init)
+        return AutoModelForCausalLM.from_pretrained(init)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def rollout(self) -> tuple[torch.Tensor, Routes, torch.Tensor, torch.Tensor]:
+        """Sample G answers per prompt with routes recorded: sequences [N, Tp + A], routes, rewards [N], exact [N]."""
+        cfg, task = self.cfg, self.task
+        prompts, answers = task.sample(cfg.prompts, self.task_gen)
+        prompts = prompts.repeat_interleave(cfg.group_size, 0)
+        answers = answers.repeat_interleave(cfg.group_size, 0)
+        sampler = self.model
+        if cfg.rollout_dtype == "bfloat16":
+            sampler = copy.deepcopy(self.model).to(torch.bfloat16)
+        sampler.eval()
+        with torch.no_grad(), record_routes(sampler) as rec:
+            seq = sampler.generate(
+                input_ids=prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=task.answer_len,
+                min_new_tokens=task.answer_len,
+                pad_token_id=PAD,
+            )
+        completions = seq[:, prompts.shape[1] :]
+        rewards = task.reward(completions, answers, partial=cfg.partial_credit)
+        exact = task.reward(completions, answers, partial=False)
+        return seq, rec.routes, rewards, exact
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, model, tp = self.cfg, self.model, self.task.prompt_len
+        t0 = time.perf_counter()
+        seq, rollout_routes, rewards, exact = self.rollout()
+        t_rollout = time.perf_counter() - t0
+        adv = group_advantages(rewards, cfg.group_size)
+        mask = torch.ones(seq.shape[0], seq.shape[1] - tp, dtype=torch.bool)
+
+        model.eval()
+        with torch.no_grad():
+            if cfg.replay == "rollout":
+                train_routes = rollout_routes
+                old = answer_logp(model, seq, tp, train_routes)
+            elif cfg.replay == "old_logprob":
+                with record_routes(model) as rec:
+                    old = answer_logp(model, seq, tp)
+                train_routes = rec.routes
+            else:
+                train_routes = None
+                old = answer_logp(model, seq, tp)
+        row: dict[str, Any] = {
+            "step": self.step + 1,
+            "reward_mean": float(rewards.mean()),
+            "exact_match": float(exact.mean()),
+        }
+        live = teacher_forced_routes(model, seq) if cfg.diagnostics else None
+        if live is not None:
+            mismatch = expert_change(rollout_routes, live)
+            row["mismatch/fraction"] = mismatch.fraction
+            row["mismatch/token_changed"] = mismatch.token_changed
+
+        perm = torch.randperm(seq.shape[0], generator=self.perm_gen)
+        mb_rows = []
+        for j, idx in enumerate(perm.chunk(cfg.minibatches)):
+            model.train()
+            routes = train_routes[idx] if train_routes is not None else None
+            logp = answer_logp(model, seq[idx], tp, routes)
+            loss, metrics = policy_loss(
+                logp,
+                old[idx],
+                adv[idx],
+                mask[idx],
+                importance_sampling_level=cfg.importance_sampling_level,
+                epsilon_low=cfg.epsilon_low,
+                epsilon_high=cfg.epsilon_high,
+            )
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            mb = {"step": self.step + 1, "minibatch": j, "loss": loss.item(), "grad_norm": float(grad_norm), **metrics}
+            if live is not None:
+                after = teacher_forced_routes(model, seq)
+                mb["expert_change"] = expert_change(live, after).fraction
+                live = after
+            mb_rows.append(mb)
+        for key in mb_rows[0]:
+            if key not in ("step", "minibatch"):
+                row[key] = sum(r[key] for r in mb_rows) / len(mb_rows)
+        row["clip_ratio/region_first_minibatch"] = mb_rows[0]["clip_ratio/region_mean"]
+        row["seconds"] = time.perf_counter() - t0
+        row["seconds_rollout"] = t_rollout
+        self.step += 1
+        return {"step": row, "minibatches": mb_rows}
+
+    # ---- persistence -------------------------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        ckpt = self.out / CHECKPOINT
+        tmp = self.out / (CHECKPOINT + ".tmp")
+        self.model.save_pretrained(tmp)
+        state = {
+            "step": self.step,
+            "optimizer": self.opt.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "task_rng": self.task_gen.get_state(),
+            "perm_rng": self.perm_gen.get_state(),
+        }
+        torch.save(state, tmp / "state.pt")
+        if ckpt.exists():
+            import shutil
+
+            shutil.rmtree(ckpt)
+        tmp.rename(ckpt)
+
+
+def train(config: TrainConfig, *, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> Path:
+    """Run (or resume) RL training; returns the output directory holding steps.csv, minibatches.csv, checkpoint/.
+
+    `stop_after` ends the process early after that many steps of this call (to test resuming).
+
+    Example:
+        >>> out = train(TrainConfig(steps=50, replay="rollout"))  # doctest: +SKIP
+        >>> import pandas as pd; pd.read_csv(out / "steps.csv").reward_mean.tail()  # doctest: +SKIP
+    """
+    run = Run(config)
+    run.setup(resume, progress)
+    bar = _bar(config.steps, f"{config.importance_sampling_level}/replay={config.replay}", progress)
+    bar.update(run.step)
+    done = 0
+    while run.step < config.steps and (stop_after is None or done < stop_after):
+        logs = run.train_step()
+        _append(run.out / STEP_LOG, [logs["step"]])
+        _append(run.out / MINIBATCH_LOG, logs["minibatches"])
+        done += 1
+        if run.step % config.checkpoint_every == 0 or run.step == config.steps:
+            run.checkpoint()
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{logs['step']['reward_mean']:.3f}", clip=f"{logs['step']['clip_ratio/region_mean']:.3f}"
+        )
+    bar.close()
+    return run.out
+
+
+def evaluate(config: TrainConfig, n: int = 512) -> float:
+    """Sampled reward of the run's latest checkpoint on fresh prompts."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(config.output) / CHECKPOINT)
+    return sampled_reward(model, Task(config.task, config.task_size), n=n, seed=10_000 + config.seed)
+
+
+def _append(path: Path, rows: list[dict[str, Any]]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+        f.flush()
+
+
+def _truncate(path: Path, step: int) -> None:
+    """Drop log rows written after the checkpoint (the resumed run writes them again)."""
+    if not path.exists():
+        return
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        return
+    keep = [r for r in rows if int(r["step"]) <= step]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(keep)
+
+
+def _bar(total: int, desc: str, enabled: bool):  # noqa: ANN202
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True)

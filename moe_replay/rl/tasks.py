@@ -1,0 +1,105 @@
+"""Verifiable synthetic tasks with a tiny character tokenizer: addition, sorting, running sums.
+
+Every task has fixed-length prompts and fixed-length answers, so a batch needs no padding and rewards are exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD, BOS, EOS = 0, 1, 2
+SYMBOLS = "0123456789+=,>:"
+VOCAB = 3 + len(SYMBOLS)  # pad, bos, eos, then the symbols
+
+
+def encode(text: str) -> list[int]:
+    """Characters to token ids (no BOS/EOS).
+
+    Example:
+        >>> encode("12+3=")
+        [4, 5, 13, 6, 14]
+    """
+    try:
+        return [3 + SYMBOLS.index(c) for c in text]
+    except ValueError as e:
+        raise ValueError(f"{text!r} has a character outside the task alphabet {SYMBOLS!r}") from e
+
+
+def decode(ids: list[int] | torch.Tensor) -> str:
+    """Token ids to characters; pad / bos / eos become '', '^', '$'.
+
+    Example:
+        >>> decode([1, 4, 5, 2])
+        '^01$'
+    """
+    ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+    special = {PAD: "", BOS: "^", EOS: "$"}
+    return "".join(special.get(i, SYMBOLS[i - 3] if 3 <= i < VOCAB else "?") for i in ids)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A verifiable task: `kind` in {"addition", "sort", "running_sum"}, `size` digits per operand / list length.
+
+    - addition: "a+b=" with `size`-digit operands (zero-padded), answer a+b in `size`+1 digits.
+    - sort: ">" then `size` digits, answer the digits sorted.
+    - running_sum: ":" then `size` digits, answer the prefix sums mod 10.
+
+    Example:
+        >>> task = Task("addition", 3)
+        >>> prompts, answers = task.sample(2, torch.Generator().manual_seed(0))
+        >>> task.reward(answers, answers).tolist()
+        [1.0, 1.0]
+    """
+
+    kind: str = "addition"
+    size: int = 3
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("addition", "sort", "running_sum"):
+            raise ValueError(f"unknown task {self.kind!r}: use 'addition', 'sort' or 'running_sum'")
+        if not 1 <= self.size <= 12:
+            raise ValueError(f"task size must be in 1..12, got {self.size}")
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens per prompt, BOS included."""
+        return 1 + (2 * self.size + 2 if self.kind == "addition" else self.size + 1)
+
+    @property
+    def answer_len(self) -> int:
+        """Tokens per answer, EOS excluded."""
+        return self.size + 1 if self.kind == "addition" else self.size
+
+    def sample(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """`n` prompts [n, prompt_len] and their answers [n, answer_len], deterministic given the generator."""
+        digits = torch.randint(0, 10, (n, 2 * self.size if self.kind == "addition" else self.size), generator=generator)
+        prompts, answers = [], []
+        for row in digits.tolist():
+            if self.kind == "addition":
+                a = int("".join(map(str, row[: self.size])))
+                b = int("".join(map(str, row[self.size :])))
+                text = f"{a:0{self.size}d}+{b:0{self.size}d}="
+                answer = f"{a + b:0{self.size + 1}d}"
+            elif self.kind == "sort":
+                text, answer = ">" + "".join(map(str, row)), "".join(map(str, sorted(row)))
+            else:
+                sums, total = [], 0
+                for d in row:
+                    total = (total + d) % 10
+                    sums.append(total)
+                text, answer = ":" + "".join(map(str, row)), "".join(map(str, sums))
+            prompts.append([BOS, *encode(text)])
+            answers.append(encode(answer))
+        return torch.tensor(prompts), torch.tensor(answers)
+
+    def reward(self, completions: torch.Tensor, answers: torch.Tensor, *, partial: bool = True) -> torch.Tensor:
+        """[n] rewards of completions [n, >= answer_len] against answers [n, answer_len]: the share of correct
+        positions (`partial`), or 1.0 for an exact match only."""
+        got = completions[:, : self.answer_len]
+        if got.shape != answers.shape:
+            raise ValueError(f"completions {tuple(completions.shape)} are shorter than answers {tuple(answers.shape)}")
+        correct = (got == answers.to(got.device)).float()
+        return correct.mean(1) if partial else correct.all(1).float()
