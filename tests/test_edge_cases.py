@@ -174,3 +174,19 @@ def test_scalar_tensor_index_keeps_batch_dim(qwen):
 
     for i in (torch.tensor(1), np.int64(1), 1):
         assert routes[i].shape == (1, 5, 2, 2) and torch.equal(routes[i].indices, routes.indices[1:2])
+
+
+def test_interception_narrows_to_the_router_unless_top_k_runs_in_the_block(qwen):
+    """After the first call, top-k interception runs in the router alone (the experts' ops skip the Python-level
+    TorchFunctionMode), except for DBRX, whose top-k runs in the MoE block."""
+    from families import build_tiny_model
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    for model, expected in ((qwen, True), (build_tiny_model("dbrx"), False)):
+        with record_routes(model) as rec:
+            model(ids, attention_mask=mask)
+            hub = model.__dict__["_moe_replay_hub"]
+            assert hub._router_only == [expected] * len(hub.sites)
+            model(ids, attention_mask=mask)  # the narrowed (or not) second call records the same routes
+        first, second = rec.batches
+        assert first.equal(second)

@@ -67,6 +67,8 @@ class _Call:
     record: bool
     num_experts: int | None = None
     sparsemixer: bool = False
+    intercepting: bool = False
+    outside_router: bool = False  # an intercepted top-k / max ran in the block, outside the router
     replaced: int = 0
     seen: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)  # (last dim, k, numel, indices)
     picks: dict[int, torch.Tensor] = field(default_factory=dict)  # sparsemixer: pick slot -> indices [N, 1]
@@ -81,8 +83,10 @@ class _TopkMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         if func in _TOPK:
+            self.call.outside_router |= not self.hub._in_router[self.call.site]
             return self.hub._topk(self.call, func, args, kwargs)
         if self.call.sparsemixer and func in sparsemixer.MAX_FUNCS:
+            self.call.outside_router |= not self.hub._in_router[self.call.site]
             return self.hub._max(self.call, func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -102,6 +106,9 @@ class RouterHub:
         self._calls: list[_Call | None] = [None] * len(self.sites)
         self._undo: list[Callable[[], None]] = []
         self._generating = 0
+        self._tracked: list[nn.Module] = []
+        self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
+        self._router_only: list[bool] = [False] * len(self.sites)  # intercept in the router alone (learned)
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     @classmethod
@@ -136,7 +143,8 @@ class RouterHub:
         return sum(p[0] is handler for plans in self.pending for p in plans)
 
     def _install(self) -> None:
-        for module in self._tracked_modules():
+        self._tracked = self._tracked_modules()
+        for module in self._tracked:
             self._patch(module, "forward", self._step_wrapper)
             if callable(getattr(module, "generate", None)):
                 self._patch(module, "generate", self._generate_wrapper)
@@ -184,7 +192,7 @@ class RouterHub:
             tracker = self.tracker
             if tracker.depth:  # an inner model called by the outer one: the same step
                 return inner(*args, **kwargs)
-            keep = any(m.training and _checkpointing(m) for m in self._tracked_modules())
+            keep = any(m.training and _checkpointing(m) for m in self._tracked)
             tracker.begin(inner, args, kwargs, keep)
             tracker.depth += 1
             try:
@@ -216,29 +224,41 @@ class RouterHub:
         return generate
 
     def _scope_wrapper(self, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
-        """Intercept top-k calls while the router's block (or the router) runs. Both are wrapped: the outer of the two
-        that runs opens the interception (DBRX takes the top-k in the block, JetMoE's attention experts call the
-        router from a method other than the block's forward)."""
+        """Open router call `i` in whichever of the router and its MoE block runs first, and intercept top-k calls.
+
+        Both are wrapped: DBRX takes the top-k in the block, outside the router; JetMoE's attention experts call the
+        router from a method other than the block's forward. The first call intercepts in the whole block; when every
+        top-k it saw ran inside the router, later calls intercept in the router alone (cheaper: the experts' ops then
+        skip the Python-level TorchFunctionMode)."""
+        is_router = logits_index is not None
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             call = self._calls[i]
-            if call is not None:  # already inside the other wrapped module of this router
-                out = inner(*args, **kwargs)
-                if logits_index is not None:
-                    call.num_experts = _num_scores(out, logits_index)
-                return out
-            call = self._begin(i)
-            if call is None:
-                return inner(*args, **kwargs)
-            self._calls[i] = call
+            opened = call is None
+            if opened:
+                call = self._begin(i)
+                if call is None:  # a recompute of a forward that routed live
+                    return inner(*args, **kwargs)
+                self._calls[i] = call
+            intercept = not call.intercepting and (is_router or not self._router_only[i])
+            self._in_router[i] += is_router
             try:
-                with _TopkMode(self, call):
+                if intercept:
+                    call.intercepting = True
+                    with _TopkMode(self, call):
+                        out = inner(*args, **kwargs)
+                else:
                     out = inner(*args, **kwargs)
-                if logits_index is not None:
+                if is_router:
                     call.num_experts = _num_scores(out, logits_index)
             finally:
-                self._calls[i] = None
-            self._end(call)
+                self._in_router[i] -= is_router
+                if intercept:
+                    call.intercepting = False
+                if opened:
+                    self._calls[i] = None
+            if opened:
+                self._end(call)
             return out
 
         return forward
@@ -271,6 +291,8 @@ class RouterHub:
 
     def _end(self, call: _Call) -> None:
         site = self.sites[call.site]
+        if call.seen or call.picks or call.replaced:
+            self._router_only[call.site] = not call.outside_router
         if call.plan is not None:
             if call.num_experts is not None and call.num_experts != call.plan.num_experts:
                 raise ReplayError(
