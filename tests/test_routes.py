@@ -129,3 +129,10 @@ def test_truncated_and_foreign_files(tmp_path):
     save_file({"indices": r.indices, "mask": r.mask}, str(tmp_path / "mismatch.safetensors"), metadata=meta)
     with pytest.raises(RoutesFileError, match="L=2 layers but 1 LayerInfo"):
         Routes.load(tmp_path / "mismatch.safetensors")
+
+
+def test_load_without_value_validation_still_checks_shapes(tmp_path):
+    r = make()
+    r.save(tmp_path / "r.safetensors")
+    fast = Routes.load(tmp_path / "r.safetensors", validate=False)
+    assert torch.equal(fast.indices, r.indices) and fast.layers == r.layers

@@ -30,6 +30,9 @@ from .generation import check_generation, eos_token_ids
 from .steps import Step, StepTracker
 
 _HUB_ATTR = "_moe_replay_hub"
+# Router classes whose selecting top-k was seen to run inside the router's own forward (a fact about the class's code,
+# learned on its first call): their interception can skip the MoE block, whose experts run many ops.
+_TOPK_IN_ROUTER: dict[type, bool] = {}
 _TOPK = {torch.topk, torch.Tensor.topk}
 
 
@@ -108,7 +111,7 @@ class RouterHub:
         self._generating = 0
         self._tracked: list[nn.Module] = []
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
-        self._router_only: list[bool] = [False] * len(self.sites)  # intercept in the router alone (learned)
+        self._router_only = [_TOPK_IN_ROUTER.get(type(s.router), False) for s in self.sites]  # intercept in router only
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     @classmethod
@@ -291,8 +294,8 @@ class RouterHub:
 
     def _end(self, call: _Call) -> None:
         site = self.sites[call.site]
-        if call.seen or call.picks or call.replaced:
-            self._router_only[call.site] = not call.outside_router
+        if (call.seen or call.picks or call.replaced) and not self._router_only[call.site]:
+            self._router_only[call.site] = _TOPK_IN_ROUTER[type(site.router)] = not call.outside_router
         if call.plan is not None:
             if call.num_experts is not None and call.num_experts != call.plan.num_experts:
                 raise ReplayError(
