@@ -118,3 +118,32 @@ def test_warm_start_reaches_a_useful_reward():
     log = warm_start(model, task, steps=40, batch=64, seed=1)
     after = sampled_reward(model, task, n=128)
     assert log[-1]["loss"] < log[0]["loss"] and after > before + 0.1
+
+
+def test_another_family_as_policy(tmp_path):
+    """Any transformers MoE family works as the policy: a tiny Mixtral, warm-started by the run itself."""
+    mixtral = {
+        "model_type": "mixtral",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+    }
+    cfg = TrainConfig(
+        output=str(tmp_path / "run"),
+        policy=mixtral,
+        warm_start_steps=5,
+        task_size=2,
+        steps=1,
+        prompts=4,
+        group_size=4,
+        minibatches=2,
+        replay="rollout",
+    )
+    out = train(cfg, progress=False)
+    assert (out / "init" / "config.json").read_text().count('"mixtral"') == 1
+    assert len(pd.read_csv(out / "steps.csv")) == 1

@@ -33,6 +33,10 @@ _HUB_ATTR = "_moe_replay_hub"
 # Router classes whose selecting top-k was seen to run inside the router's own forward (a fact about the class's code,
 # learned on its first call): their interception can skip the MoE block, whose experts run many ops.
 _TOPK_IN_ROUTER: dict[type, bool] = {}
+# Router classes (per training mode) that return the selecting top-k's own indices tensor as output element j: a
+# recording without replay reads that output and skips the interception (a TorchFunctionMode costs a few percent of
+# a decode step). Learned by identity (`output[j] is topk_indices`), never by equal values.
+_OUTPUT_INDICES: dict[tuple[type, bool], int | None] = {}
 _TOPK = {torch.topk, torch.Tensor.topk}
 
 
@@ -71,6 +75,7 @@ class _Call:
     num_experts: int | None = None
     sparsemixer: bool = False
     intercepting: bool = False
+    router_out: Any = None
     outside_router: bool = False  # an intercepted top-k / max ran in the block, outside the router
     replaced: int = 0
     seen: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)  # (last dim, k, numel, indices)
@@ -243,7 +248,8 @@ class RouterHub:
                 if call is None:  # a recompute of a forward that routed live
                     return inner(*args, **kwargs)
                 self._calls[i] = call
-            intercept = not call.intercepting and (is_router or not self._router_only[i])
+            fast = call.plan is None and self._fast_record(i)
+            intercept = not fast and not call.intercepting and (is_router or not self._router_only[i])
             self._in_router[i] += is_router
             try:
                 if intercept:
@@ -254,6 +260,7 @@ class RouterHub:
                     out = inner(*args, **kwargs)
                 if is_router:
                     call.num_experts = _num_scores(out, logits_index)
+                    call.router_out = out
             finally:
                 self._in_router[i] -= is_router
                 if intercept:
@@ -292,8 +299,22 @@ class RouterHub:
                 self.pending[i].append((replayer, step, plan))
         return _Call(i, name, step, plan, record=bool(self.recorders), sparsemixer=_is_sparsemixer(site))
 
+    def _fast_record(self, i: int) -> bool:
+        """Whether call `i` can be recorded from the router's output alone (see `_OUTPUT_INDICES`)."""
+        router = self.sites[i].router
+        return self._router_only[i] and _OUTPUT_INDICES.get((type(router), router.training)) is not None
+
     def _end(self, call: _Call) -> None:
         site = self.sites[call.site]
+        if call.plan is None and call.record and not call.seen and call.router_out is not None:
+            j = _OUTPUT_INDICES.get((type(site.router), site.router.training))
+            if j is not None:  # recorded from the router's output: its element j is the top-k's indices
+                out = call.router_out if isinstance(call.router_out, tuple | list) else (call.router_out,)
+                idx = out[j]
+                indices = idx.reshape(call.step.batch, call.step.length, idx.shape[-1])
+                for rec in self.recorders:
+                    rec.record(call.layer, call.step, indices, call.num_experts)
+                return
         if (call.seen or call.picks or call.replaced) and not self._router_only[call.site]:
             self._router_only[call.site] = _TOPK_IN_ROUTER[type(site.router)] = not call.outside_router
         if call.plan is not None:
@@ -322,6 +343,10 @@ class RouterHub:
                 f"{[(s[0], s[1], s[2]) for s in call.seen]})"
             )
         _, k, _, idx = picked[-1]
+        key = (type(site.router), site.router.training)
+        if call.router_out is not None and key not in _OUTPUT_INDICES and not call.picks:
+            out = call.router_out if isinstance(call.router_out, tuple | list) else (call.router_out,)
+            _OUTPUT_INDICES[key] = next((j for j, o in enumerate(out) if o is idx), None)
         idx = idx.reshape(call.step.batch, call.step.length, k)
         for rec in self.recorders:
             rec.record(call.layer, call.step, idx, E)

@@ -28,15 +28,17 @@ DEFAULT_POLICY: dict[str, Any] = {
 
 
 def build_policy(config: dict[str, Any] | None = None, *, seed: int = 0) -> nn.Module:
-    """A randomly initialised MoE causal LM over the task vocabulary. `config` overrides `DEFAULT_POLICY`; its
-    `model_type` picks the transformers family (the other keys are that family's config fields).
+    """A randomly initialised MoE causal LM over the task vocabulary. `config` overrides `DEFAULT_POLICY` (Qwen3-MoE);
+    another `model_type` picks another transformers family, whose config fields `config` then gives in full.
 
     Example:
         >>> model = build_policy({"num_hidden_layers": 8, "num_experts": 64})  # doctest: +SKIP
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {**DEFAULT_POLICY, **(config or {})}
+    config = dict(config or {})
+    same_family = config.get("model_type", DEFAULT_POLICY["model_type"]) == DEFAULT_POLICY["model_type"]
+    fields = {**DEFAULT_POLICY, **config} if same_family else config  # other families: their own field names
     model_type = fields.pop("model_type")
     implementation = fields.pop("experts_implementation", "grouped_mm")
     fields.update(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, output_router_logits=True)
