@@ -5,7 +5,7 @@
     python benchmarks/run.py --quick    # the same table from smaller runs (under two minutes)
 
 Each cost is a ratio against the same work without moe-replay, measured side by side in one process, alternating
-the order, median over repeats. Peak memory is measured in fresh subprocesses (peak RSS on CPU, peak allocated on CUDA).
+the order, median over repeats; an A/A row (the plain run against itself) shows the timing noise of the machine. Peak memory is measured in fresh subprocesses (peak RSS on CPU, peak allocated on CUDA).
 """
 
 from __future__ import annotations
@@ -169,6 +169,9 @@ def main() -> int:
         "ratio <= 1.03",
         ours / base <= 1.03,
     )
+    plain = generate_fn(real, 16, new_real, dev, False)
+    ours, base = paired(plain, generate_fn(real, 16, new_real, dev, False), reps_gen, dev)
+    add("  noise floor: the same plain generate against itself", ours, base, "s", "(A/A)", None)
     tiny = build(TINY, dev)
     ours, base = paired(
         generate_fn(tiny, 16, 64, dev, True), generate_fn(tiny, 16, 64, dev, False), 5 if q else 11, dev
@@ -206,6 +209,8 @@ def main() -> int:
 
     ours, base = paired(fwd_bwd(True), fwd_bwd(False), 3 if q else 5, dev)
     add(f"forward + backward + replay, realistic, {B} x {T}", ours, base, "s", "ratio <= 1.02", ours / base <= 1.02)
+    ours, base = paired(fwd_bwd(False), fwd_bwd(False), 3 if q else 5, dev)
+    add("  noise floor: the same plain forward + backward against itself", ours, base, "s", "(A/A)", None)
 
     L, K, E = 8, 8, 64
     per_token = routes.nbytes / (routes.batch_size * routes.seq_len)

@@ -21,8 +21,8 @@ from ..hooks import record_routes, replay_routes
 from ..routes import Routes
 from .config import TrainConfig
 from .losses import group_advantages, policy_loss
-from .policy import build_policy, sampled_reward, warm_start
-from .tasks import PAD, Task
+from .policy import build_policy, sample_answers, sampled_reward, warm_start
+from .tasks import Task
 
 STEP_LOG, MINIBATCH_LOG, CHECKPOINT = "steps.csv", "minibatches.csv", "checkpoint"
 
@@ -109,16 +109,7 @@ class Run:
             sampler = copy.deepcopy(self.model).to(torch.bfloat16)
         sampler.eval()
         with torch.no_grad(), record_routes(sampler) as rec:
-            seq = sampler.generate(
-                input_ids=prompts,
-                attention_mask=torch.ones_like(prompts),
-                do_sample=True,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=task.answer_len,
-                min_new_tokens=task.answer_len,
-                pad_token_id=PAD,
-            )
+            seq = sample_answers(sampler, prompts, task.answer_len)
         completions = seq[:, prompts.shape[1] :]
         rewards = task.reward(completions, answers, partial=cfg.partial_credit)
         exact = task.reward(completions, answers, partial=False)

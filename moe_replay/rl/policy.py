@@ -122,16 +122,25 @@ def sampled_reward(model: nn.Module, task: Task, *, n: int = 256, seed: int = 0,
     prompts = prompts.to(next(iter(devices)))
     rng = torch.get_rng_state()
     torch.manual_seed(seed)
-    out = model.generate(
+    out = sample_answers(model, prompts, task.answer_len)
+    torch.set_rng_state(rng)
+    model.train(was_training)
+    return float(task.reward(out[:, prompts.shape[1] :].cpu(), answers, partial=partial).mean())
+
+
+def sample_answers(model: nn.Module, prompts: torch.Tensor, answer_len: int) -> torch.Tensor:
+    """Sample exactly `answer_len` tokens after each prompt [N, Tp] at temperature 1 (no top-k / top-p): [N, Tp + A].
+
+    Example:
+        >>> seq = sample_answers(model, prompts, task.answer_len)  # doctest: +SKIP
+    """
+    return model.generate(
         input_ids=prompts,
         attention_mask=torch.ones_like(prompts),
         do_sample=True,
         top_k=0,
         top_p=1.0,
-        max_new_tokens=task.answer_len,
-        min_new_tokens=task.answer_len,
+        max_new_tokens=answer_len,
+        min_new_tokens=answer_len,
         pad_token_id=PAD,
     )
-    torch.set_rng_state(rng)
-    model.train(was_training)
-    return float(task.reward(out[:, prompts.shape[1] :].cpu(), answers, partial=partial).mean())
