@@ -5,7 +5,8 @@
     python benchmarks/run.py --quick    # the same table from smaller runs (under two minutes)
 
 Each cost is a ratio against the same work without moe-replay, measured side by side in one process, alternating
-the order, median over repeats; an A/A row (the plain run against itself) shows the timing noise of the machine. Peak memory is measured in fresh subprocesses (peak RSS on CPU, peak allocated on CUDA).
+the order, median over repeats; an A/A row (the plain run against itself) shows the timing noise of the machine.
+Peak memory is measured in fresh subprocesses (peak RSS on CPU, peak allocated on CUDA).
 """
 
 from __future__ import annotations
