@@ -10,6 +10,7 @@ import time
 import torch
 from torch import nn
 
+from .analysis import expert_change
 from .hooks import record_routes, replay_routes
 from .routes import Routes
 
@@ -48,9 +49,7 @@ def tiny_moe(seed: int = 0, *, layers: int = 4, experts: int = 16, top_k: int = 
 
 def _changed(a: Routes, b: Routes) -> float:
     """Share of recorded (token, layer) pairs whose expert set differs."""
-    m = a.mask & b.mask
-    sa, sb = a.indices[m].long().sort(-1).values, b.indices[m].long().sort(-1).values
-    return float((sa != sb).any(-1).float().mean())
+    return expert_change(a, b).set_changed
 
 
 def run(seed: int = 0, lr: float = 1e-4) -> dict[str, float]:
