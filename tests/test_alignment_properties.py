@@ -22,7 +22,8 @@ def batches(draw):
     return B, T, pads, new, seed
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized: generate vs teacher forcing compares float top-k choices, so keep the examples reproducible
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_generate_routes_equal_teacher_forced(case):
     B, T, pads, new, seed = case
