@@ -4,6 +4,7 @@ or kept alive implicitly); save it with `fig.savefig(path)`."""
 from __future__ import annotations
 
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from .metrics import ExpertChange
@@ -49,11 +50,13 @@ def over_training(
     ylabel: str | None = None,
     percent: bool = False,
     title: str | None = None,
+    ax: Axes | None = None,
 ) -> Figure:
     """Curves of a metric over training: the mean over seeds per group, with a band of ± one standard deviation.
 
     `frame` is tidy: one row per (group, seed, step) with the value in column `y`; if it has a `metric` column,
-    pass `metric=` to pick one. Missing `group` or `seed` columns mean one curve / no band.
+    pass `metric=` to pick one. Missing `group` or `seed` columns mean one curve / no band. With `ax`, draws into
+    that Axes (a panel of a larger figure) and returns its figure.
 
     Example:
         >>> fig = over_training(log, y="reward_mean", group="arm", ylabel="reward")  # doctest: +SKIP
@@ -70,8 +73,11 @@ def over_training(
         raise ValueError(f"no rows to plot (metric={metric!r})")
     groups = data.groupby(group, sort=False) if group and group in data.columns else [(None, data)]
     scale = 100.0 if percent else 1.0
-    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
-    ax = fig.subplots()
+    if ax is None:
+        fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+        ax = fig.subplots()
+    else:
+        fig = ax.figure
     for name, part in groups:
         stats = part.groupby(x)[y].agg(["mean", "std", "count"]).sort_index()
         mean = stats["mean"] * scale
