@@ -309,7 +309,7 @@ class RouterHub:
         if call.plan is None and call.record and not call.seen and call.router_out is not None:
             j = _OUTPUT_INDICES.get((type(site.router), site.router.training))
             if j is not None:  # recorded from the router's output: its element j is the top-k's indices
-                out = call.router_out if isinstance(call.router_out, tuple | list) else (call.router_out,)
+                out = _outputs(call.router_out)
                 idx = out[j]
                 indices = idx.reshape(call.step.batch, call.step.length, idx.shape[-1])
                 for rec in self.recorders:
@@ -345,7 +345,7 @@ class RouterHub:
         _, k, _, idx = picked[-1]
         key = (type(site.router), site.router.training)
         if call.router_out is not None and key not in _OUTPUT_INDICES and not call.picks:
-            out = call.router_out if isinstance(call.router_out, tuple | list) else (call.router_out,)
+            out = _outputs(call.router_out)
             _OUTPUT_INDICES[key] = next((j for j, o in enumerate(out) if o is idx), None)
         idx = idx.reshape(call.step.batch, call.step.length, k)
         for rec in self.recorders:
@@ -427,6 +427,11 @@ def _checkpointing(model: nn.Module) -> bool:
         if name in dir(type(model)):
             return bool(getattr(model, name))
     return False
+
+
+def _outputs(output: Any) -> tuple | list:
+    """A module's output as a sequence (a single tensor becomes a 1-tuple)."""
+    return output if isinstance(output, tuple | list) else (output,)
 
 
 def _num_scores(output: Any, index: int) -> int:
