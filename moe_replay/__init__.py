@@ -9,14 +9,8 @@ Example:
 """
 
 from .analysis import ExpertChange, expert_change, measure_mismatch, measure_update_drift, teacher_forced_routes
-from .hooks import (
-    ReplayError,
-    UnsupportedGenerationError,
-    UnsupportedModelError,
-    find_routers,
-    record_routes,
-    replay_routes,
-)
+from .dispatch import record_routes, replay_routes
+from .hooks import ReplayError, UnsupportedGenerationError, UnsupportedModelError, find_routers
 from .routes import LayerInfo, Routes, RoutesFileError
 
 __version__ = "0.1.0"

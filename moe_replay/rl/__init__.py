@@ -3,7 +3,7 @@
 from .config import TrainConfig, load_config
 from .loop import train
 from .losses import DEFAULT_EPSILON, group_advantages, policy_loss
-from .policy import DEFAULT_POLICY, build_policy, sampled_reward, warm_start
+from .policy import DEFAULT_POLICY, build_policy, sampled_reward, scale_routers, warm_start
 from .tasks import Task
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "load_config",
     "policy_loss",
     "sampled_reward",
+    "scale_routers",
     "train",
     "warm_start",
 ]

@@ -46,6 +46,7 @@ class TrainConfig:
     epsilon_high: float | None = None
     replay: str = "off"
     rollout_dtype: str = "float32"
+    router_scale: float = 1.0  # multiply the warm-started routers' weights: > 1 sharper routing, < 1 flatter
     diagnostics: bool = True
     checkpoint_every: int = 10
 
@@ -58,6 +59,8 @@ class TrainConfig:
             )
         if self.rollout_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"rollout_dtype must be 'float32' or 'bfloat16', got {self.rollout_dtype!r}")
+        if not self.router_scale > 0:
+            raise ValueError(f"router_scale must be > 0, got {self.router_scale}")
         n = self.prompts * self.group_size
         if self.minibatches < 1 or n % self.minibatches:
             raise ValueError(

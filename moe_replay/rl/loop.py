@@ -21,7 +21,7 @@ from ..hooks import record_routes, replay_routes
 from ..routes import Routes
 from .config import TrainConfig
 from .losses import group_advantages, policy_loss
-from .policy import build_policy, sample_answers, sampled_reward, warm_start
+from .policy import build_policy, sample_answers, sampled_reward, scale_routers, warm_start
 from .tasks import Task
 
 STEP_LOG, MINIBATCH_LOG, CHECKPOINT = "steps.csv", "minibatches.csv", "checkpoint"
@@ -68,6 +68,8 @@ class Run:
         for name in (STEP_LOG, MINIBATCH_LOG):
             (self.out / name).unlink(missing_ok=True)
         self.model = self._initial_policy(progress)
+        if cfg.router_scale != 1.0:
+            scale_routers(self.model, cfg.router_scale)
         torch.manual_seed(cfg.seed)
         self._make_optimizer()
 

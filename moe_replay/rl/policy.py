@@ -53,6 +53,23 @@ def build_policy(config: dict[str, Any] | None = None, *, seed: int = 0) -> nn.M
     return model
 
 
+def scale_routers(model: nn.Module, scale: float) -> None:
+    """Multiply every router's parameters by `scale` in place: a linear softmax router's logits scale by it, so its
+    distribution gets sharper (> 1) or flatter (< 1) while the experts it picks right now stay the same.
+
+    Example:
+        >>> scale_routers(model, 0.25)  # flatter routing: smaller logit margins, so updates flip experts more easily
+    """
+    from ..hooks.discover import find_routers
+
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    with torch.no_grad():
+        for site in find_routers(model):
+            for param in site.router.parameters():
+                param.mul_(scale)
+
+
 def supervised_batch(task: Task, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [n, prompt + answer + 1] (answer then EOS) and labels (-100 on the prompt)."""
     prompts, answers = task.sample(n, generator)

@@ -1,0 +1,172 @@
+"""Where, if anywhere, does GRPO without Routing Replay degrade on a tiny MoE? GRPO with and without replay, over
+seeds, one knob changed at a time from the compare.py setting, plus all stressors at once.
+
+Tests the GSPO paper's claim that GRPO does not converge on an MoE model without Routing Replay (Zheng et al. 2025,
+arXiv 2507.18071, §5.3), at toy scale, by turning up the knobs that should make routing drift matter: μ (more
+minibatches per batch, so later minibatches sit further from π_old), learning rate (more experts change per
+update), response length, depth, router sharpness (the routers' weights scaled after the warm start), and a bf16
+sampler against an fp32 trainer (rollout-vs-trainer mismatch, which replay of the rollout routes removes).
+
+How it differs from the paper: the tiny Qwen3-MoE of compare.py (4 layers, 16 experts, top-2) on 3-digit addition,
+16 prompts x 8 answers per step, a short horizon (80 steps), 3 seeds per arm; no knob was tuned to make a picture.
+
+    python experiments/sweep.py --preset quick   # 2 settings, 1 seed, a few steps: a smoke test
+    python experiments/sweep.py --preset full    # the README's table (about 1.5 hours on 2 CPU cores)
+    python experiments/sweep.py --only mu16 bf16 # some settings (runs resume; results merge into the CSVs)
+
+Writes <out>/sweep_steps.csv (every step of every run, tidy), sweep_summary.csv and sweep.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from moe_replay.analysis import plots
+from moe_replay.rl import TrainConfig, train
+
+ARMS = {"GRPO": "off", "GRPO + replay": "rollout"}
+# One knob at a time from compare.py's setting (lr 1e-4, μ = 4, 3-digit addition, 4 layers, fp32 sampler).
+SETTINGS: dict[str, dict] = {
+    "base": {},
+    "mu1": {"minibatches": 1},
+    "mu16": {"minibatches": 16},
+    "lr1e-3": {"lr": 1e-3},
+    "long": {"task_size": 7},  # 8-token answers instead of 4
+    "deep": {"policy": {"num_hidden_layers": 12}},
+    "sharp": {"router_scale": 4.0},
+    "flat": {"router_scale": 0.25},
+    "bf16": {"rollout_dtype": "bfloat16"},
+    "stress": {"lr": 1e-3, "minibatches": 16, "rollout_dtype": "bfloat16", "router_scale": 0.25},
+}
+PRESETS = {
+    "quick": {"settings": ["base", "bf16"], "seeds": [0], "steps": 4, "warm_start_steps": 40},
+    "full": {"settings": list(SETTINGS), "seeds": [0, 1, 2], "steps": 80, "warm_start_steps": 300},
+}
+
+
+def init_dir(runs: Path, settings: dict, seed: int) -> Path:
+    """The warm start a setting shares with the others of the same task and policy shape."""
+    layers = settings.get("policy", {}).get("num_hidden_layers", 4)
+    return runs / f"init_add{settings.get('task_size', 3)}_L{layers}_seed{seed}"
+
+
+def run_all(names: list[str], preset: str, runs: Path, progress: bool) -> pd.DataFrame:
+    """Train both arms of every named setting for every seed (runs resume if interrupted); return the step logs."""
+    p = PRESETS[preset]
+    frames = []
+    for name in names:
+        for seed in p["seeds"]:
+            for arm, replay in ARMS.items():
+                settings = SETTINGS[name]
+                cfg = TrainConfig(
+                    output=str(runs / f"{name}_{replay}_seed{seed}"),
+                    init=str(init_dir(runs, settings, seed)),
+                    seed=seed,
+                    steps=p["steps"],
+                    warm_start_steps=p["warm_start_steps"],
+                    importance_sampling_level="token",
+                    replay=replay,
+                    **settings,
+                )
+                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
+                frames.append(log.assign(setting=name, arm=arm, seed=seed))
+    return pd.concat(frames, ignore_index=True)
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per setting: final reward (mean of the last 20% of steps) of each arm, mean ± sd over seeds; the paired
+    gap replay − no replay per seed, its mean ± sd and in how many seeds replay is ahead; the largest drop from a
+    run's best reward (a collapse shows here); expert change per update, rollout/trainer mismatch, clipped tokens
+    and p99 |token log-ratio| without replay."""
+    rows = []
+    for name in frame.setting.unique():
+        runs = frame[frame.setting == name]
+        tail = runs[runs.step > runs.step.max() * 0.8]
+        final = tail.groupby(["arm", "seed"]).reward_mean.mean().unstack("arm")
+        gap = final["GRPO + replay"] - final["GRPO"]
+        smooth = runs.groupby(["arm", "seed"]).reward_mean.transform(lambda r: r.rolling(5, min_periods=1).mean())
+        drop = (
+            runs.assign(smooth=smooth)
+            .groupby(["arm", "seed"])
+            .smooth.agg(lambda r: r.max() - r.iloc[-1])
+            .groupby("arm")
+            .max()
+        )
+        off = runs[runs.arm == "GRPO"]
+        rows.append(
+            {
+                "setting": name,
+                "seeds": runs.seed.nunique(),
+                "final_GRPO": final["GRPO"].mean(),
+                "final_GRPO_sd": final["GRPO"].std(),
+                "final_replay": final["GRPO + replay"].mean(),
+                "final_replay_sd": final["GRPO + replay"].std(),
+                "gap_replay_minus_off": gap.mean(),
+                "gap_sd": gap.std(),
+                "seeds_replay_ahead": int((gap > 0).sum()),
+                "max_drop_GRPO": drop.get("GRPO", float("nan")),
+                "max_drop_replay": drop.get("GRPO + replay", float("nan")),
+                "expert_change_per_update": off.expert_change.mean(),
+                "mismatch": off["mismatch/fraction"].mean(),
+                "clipped_GRPO": off["clip_ratio/region_mean"].mean(),
+                "clipped_replay": runs[runs.arm == "GRPO + replay"]["clip_ratio/region_mean"].mean(),
+                "p99_log_ratio_GRPO": off["abs_log_ratio/p99"].mean(),
+                "p99_log_ratio_replay": runs[runs.arm == "GRPO + replay"]["abs_log_ratio/p99"].mean(),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def figure(frame: pd.DataFrame) -> Figure:
+    """Reward over steps per setting, GRPO with and without replay, mean ± sd over seeds."""
+    names = list(frame.setting.unique())
+    cols = min(5, len(names))
+    rows = -(-len(names) // cols)
+    fig = Figure(figsize=(3.2 * cols, 2.8 * rows + 0.6), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=True).flatten()
+    for ax, name in zip(axes, names, strict=False):
+        plots.over_training(
+            frame[frame.setting == name], y="reward_mean", group="arm", ylabel="reward", ax=ax, title=name
+        )
+        if ax is not axes[0]:
+            ax.get_legend().remove()
+    for ax in axes[len(names) :]:
+        ax.set_visible(False)
+    fig.suptitle(
+        f"GRPO with and without Routing Replay, one knob at a time (mean ± sd over {frame.seed.nunique()} seeds)"
+    )
+    return fig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=list(PRESETS), default="full")
+    ap.add_argument("--only", nargs="+", choices=list(SETTINGS), help="run these settings and merge them into the CSVs")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
+    ap.add_argument("--runs", type=Path, help="where runs and checkpoints go (default runs/sweep_<preset>)")
+    ap.add_argument("--quiet", action="store_true")
+    args = ap.parse_args()
+    runs = args.runs or Path(f"runs/sweep_{args.preset}")
+    names = args.only or PRESETS[args.preset]["settings"]
+    frame = run_all(names, args.preset, runs, progress=not args.quiet)
+    args.out.mkdir(parents=True, exist_ok=True)
+    steps_csv = args.out / "sweep_steps.csv"
+    if args.only and steps_csv.exists():  # keep the other settings' results
+        kept = pd.read_csv(steps_csv)
+        frame = pd.concat([kept[~kept.setting.isin(names)], frame], ignore_index=True)
+        order = [s for s in SETTINGS if s in set(frame.setting)]
+        frame = frame.set_index("setting").loc[order].reset_index()
+    frame.to_csv(steps_csv, index=False)
+    summary = summarize(frame)
+    summary.to_csv(args.out / "sweep_summary.csv", index=False)
+    print(summary.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    figure(frame).savefig(args.out / "sweep.png", dpi=100)
+    print(f"wrote {steps_csv}, sweep_summary.csv, sweep.png")
+
+
+if __name__ == "__main__":
+    main()

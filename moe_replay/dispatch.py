@@ -1,0 +1,40 @@
+"""The top-level `record_routes` / `replay_routes`: Hugging Face hooks, or megatron-core's RouterReplay for a
+megatron-core model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from . import hooks
+from .integrations import megatron
+from .routes import Routes
+
+
+def record_routes(model: nn.Module) -> hooks.RouteRecorder | megatron.MegatronRouteRecorder:
+    """Record the experts every router of `model` selects while the context is open; `.routes` is a `Routes`
+    [B, T, L, K]. A transformers model uses `moe_replay.hooks.record_routes` (works under `generate`), a
+    megatron-core model `moe_replay.integrations.megatron.record_routes`.
+
+    Example:
+        >>> with record_routes(model) as rec:  # doctest: +SKIP
+        ...     out = model.generate(**batch, do_sample=True, return_dict_in_generate=True)
+        >>> routes = rec.routes
+    """
+    if megatron.is_megatron_model(model):
+        return megatron.record_routes(model)
+    return hooks.record_routes(model)
+
+
+def replay_routes(model: nn.Module, routes: Routes) -> hooks.RouteReplayer | megatron.MegatronRouteReplayer:
+    """Force every router of `model` to select the experts in `routes` while the context is open (forward, and
+    the recompute of the backward), with router weights and gradients computed live. Dispatches like
+    `record_routes`.
+
+    Example:
+        >>> with replay_routes(model, routes):  # doctest: +SKIP
+        ...     loss = loss_fn(model(sequences).logits)
+        ...     loss.backward()
+    """
+    if megatron.is_megatron_model(model):
+        return megatron.replay_routes(model, routes)
+    return hooks.replay_routes(model, routes)

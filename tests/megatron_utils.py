@@ -1,0 +1,216 @@
+"""CPU shims and a tiny GPTModel for the megatron-core tests (test shims only: the library never patches Megatron).
+
+megatron-core expects CUDA; on CPU with gloo it runs given: `torch.cuda.current_device` answering the CPU device,
+a CPU stand-in for the model-parallel CUDA RNG tracker (and no CUDA RNG state for activation recompute to save), no
+Transformer Engine GEMM for the router (0.16.x), the allgather token dispatcher, an explicit attention mask, no
+linear biases and CPU initialisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K = 32, 64, 2, 4, 2
+
+
+class CpuRngTracker:
+    """Stands in for megatron's CudaRNGStatesTracker: `fork` runs the block on a forked CPU RNG."""
+
+    def __init__(self) -> None:
+        self.states_: dict[str, Any] = {}
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        self.states_ = {}
+
+    def get_states(self) -> dict[str, Any]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, Any]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self.states_[name] = seed
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        with torch.random.fork_rng(devices=[]):
+            yield
+
+
+@contextlib.contextmanager
+def megatron_cpu(tp: int = 1, ep: int = 1, rank: int = 0, world: int = 1, port: int = 29531) -> Iterator[None]:
+    """Apply the CPU shims, start a gloo process group and megatron's parallel state; undo all of it on exit."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    warnings.filterwarnings("ignore", message=".*Apex.*")
+    import megatron.core.tensor_parallel.random as tpr
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core import parallel_state
+
+    saved = (torch.cuda.current_device, tpr._CUDA_RNG_STATE_TRACKER, tpr._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    saved_rng = (tpr._get_cuda_rng_state, tpr._set_cuda_rng_state)
+    tpr._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0)  # recompute saves the CPU RNG state itself
+    tpr._set_cuda_rng_state = lambda *args, **kwargs: None
+    had_gemm, saved_gemm = hasattr(moe_utils, "te_general_gemm"), getattr(moe_utils, "te_general_gemm", None)
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    tpr._CUDA_RNG_STATE_TRACKER, tpr._CUDA_RNG_STATE_TRACKER_INITIALIZED = CpuRngTracker(), True
+    moe_utils.te_general_gemm = None  # 0.16.x reads this name even when Transformer Engine is absent
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+        torch.cuda.current_device, tpr._CUDA_RNG_STATE_TRACKER, tpr._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+        tpr._get_cuda_rng_state, tpr._set_cuda_rng_state = saved_rng
+        if had_gemm:
+            moe_utils.te_general_gemm = saved_gemm
+        else:
+            del moe_utils.te_general_gemm
+
+
+class TokenLayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm under megatron's norm signature; it normalises each token, so a sequence-parallel slice
+    needs nothing else (its weight gradients are partial per rank, which these tests do not compare)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **unused: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+
+
+def tiny_gpt(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A 2-layer GPTModel, hidden 64, 4 experts, top-2, routing replay on, weights set from `seed` by parameter
+    name so that models split over ranks hold the same weights as one unsplit model."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    fields = {
+        "num_layers": LAYERS,
+        "hidden_size": HIDDEN,
+        "num_attention_heads": 4,
+        "ffn_hidden_size": 128,
+        "num_moe_experts": EXPERTS,
+        "moe_router_topk": TOP_K,
+        "moe_ffn_hidden_size": 64,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_enable_routing_replay": True,
+        "add_bias_linear": False,
+        "use_cpu_initialization": True,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "params_dtype": torch.float32,
+    }
+    fields.update(overrides)
+    config = TransformerConfig(**fields)
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    if config.sequence_parallel:  # megatron's torch-norm wrapper refuses sequence parallelism (it wants TE or apex)
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TokenLayerNorm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * LAYERS, layer_norm=TokenLayerNorm)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64)
+    set_weights(model, seed)
+    return model
+
+
+def set_weights(model: torch.nn.Module, seed: int) -> None:
+    """Give every parameter values drawn from (seed, its unsplit name), then keep this rank's shard of them."""
+    from megatron.core import parallel_state as ps
+
+    ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full_name, is_expert = name, ".local_experts." in name
+            if is_expert:  # local expert i on EP rank r is global expert r * (E / ep) + i
+                head, _, tail = name.partition(".local_experts.")
+                local, _, rest = tail.partition(".")
+                full_name = f"{head}.local_experts.{ep_rank * (EXPERTS // ep_size) + int(local)}.{rest}"
+            if is_expert:
+                tp_rank = ps.get_expert_tensor_parallel_rank()
+                tp_size = ps.get_expert_tensor_parallel_world_size()
+            else:
+                tp_rank = ps.get_tensor_model_parallel_rank()
+                tp_size = ps.get_tensor_model_parallel_world_size()
+            shape = list(p.shape)
+            split = getattr(p, "tensor_model_parallel", False) and tp_size > 1
+            if split:
+                shape[p.partition_dim] *= tp_size
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(full_name.encode()))
+            if name.endswith("norm.weight"):  # layer norm gains near 1, everything else near 0
+                full = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            else:
+                full = 0.05 * torch.randn(shape, generator=gen)
+            if split:
+                full = full.chunk(tp_size, dim=p.partition_dim)[tp_rank]
+            p.copy_(full)
+
+
+def batch(b: int = 3, s: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens [b, s], position_ids [b, s], a causal attention mask [b, 1, s, s] (True = masked) and labels."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (b, s), generator=gen)
+    labels = torch.randint(0, VOCAB, (b, s), generator=gen)
+    position_ids = torch.arange(s).expand(b, s)
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool).triu(1)
+    return tokens, position_ids, mask, labels
+
+
+def parallel_worker(rank: int, mode: str, out_dir: str, port: int) -> None:
+    """One of two gloo ranks: `mode` "tp" (tensor parallel 2 with sequence parallelism, both ranks on batch seed 0)
+    or "ep" (expert parallel 2, rank r on batch seed r). Records, replays its own routes, replays the routes of the
+    single-process reference, and saves what it saw to out_dir/rank{r}.pt for the test to compare."""
+    from pathlib import Path
+
+    from moe_replay import Routes
+    from moe_replay.integrations.megatron import record_routes, replay_routes
+
+    torch.set_num_threads(1)
+    out = Path(out_dir)
+    tp, ep = (2, 1) if mode == "tp" else (1, 2)
+    overrides = (
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+        if mode == "tp"
+        else {"expert_model_parallel_size": 2}
+    )
+    seed = 0 if mode == "tp" else rank
+    with megatron_cpu(tp=tp, ep=ep, rank=rank, world=2, port=port):
+        model = tiny_gpt(**overrides)
+        tokens, pos, mask, labels = batch(b=3, s=8, seed=seed)
+        router = model.decoder.layers[0].mlp.router
+        seen_len: list[int] = []
+        router.register_forward_hook(lambda m, args, out: seen_len.append(args[0].shape[0]))
+        with record_routes(model) as rec:
+            logits = model(tokens, pos, mask)
+        with replay_routes(model, rec.routes):
+            replayed = model(tokens, pos, mask)
+        loss = model(tokens, pos, mask, labels=labels)
+        reference = Routes.load(out / f"reference_seed{seed}.safetensors")
+        with replay_routes(model, reference):
+            loss_ref_routes = model(tokens, pos, mask, labels=labels)
+            loss_ref_routes.mean().backward()
+        torch.save(
+            {
+                "routes": rec.routes.indices,
+                "replay_exact": torch.equal(logits, replayed),
+                "loss": loss.detach(),
+                "loss_reference_routes": loss_ref_routes.detach(),
+                "router_input_len": seen_len[0],
+                "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
+                "router_grads": [
+                    r.weight.grad.abs().sum().item() for n, r in model.named_modules() if n.endswith("router")
+                ],
+            },
+            out / f"rank{rank}.pt",
+        )

@@ -1,0 +1,374 @@
+"""record_routes / replay_routes on a megatron-core GPTModel (2 MoE layers, 4 experts, top-2), one CPU process."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
+
+from megatron_utils import EXPERTS, LAYERS, TOP_K, batch, megatron_cpu, tiny_gpt  # noqa: E402
+
+import moe_replay  # noqa: E402
+from moe_replay import ReplayError, Routes, expert_change  # noqa: E402
+from moe_replay.integrations.megatron import (  # noqa: E402
+    MegatronRouteRecorder,
+    find_routers,
+    record_routes,
+    replay_routes,
+    routes_to_rows,
+    rows_to_routes,
+)
+from moe_replay.routes import LayerInfo  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_process():
+    with megatron_cpu(port=29541):
+        yield
+
+
+def routers(model):
+    return [m for name, m in model.named_modules() if name.endswith("mlp.router")]
+
+
+def capture_routing(model):
+    """Forward hooks (outside moe-replay) that keep each router's routing map [S*B, E] of every call."""
+    seen: list[list[torch.Tensor]] = [[] for _ in routers(model)]
+    handles = [
+        r.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[1].detach().clone()))
+        for i, r in enumerate(routers(model))
+    ]
+    return seen, handles
+
+
+def as_map(routes: Routes, layer: int) -> torch.Tensor:
+    """Routes of one layer as a routing map [T*B, E] in Megatron's sequence-major row order."""
+    rows = routes_to_rows(routes)[layer]
+    return torch.zeros(rows.shape[0], EXPERTS, dtype=torch.bool).scatter(1, rows, True)
+
+
+def perturb_routers(model, seed=1, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for r in routers(model):
+            r.weight.add_(scale * r.weight.std() * torch.randn(r.weight.shape, generator=gen))
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_layout_rows_to_routes_by_hand():
+    # S=2, B=2, K=2, sequence-major rows: s0b0, s0b1, s1b0, s1b1
+    rows = [torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])]
+    routes = rows_to_routes(rows, batch_size=2, layers=[LayerInfo("l0", 4, 2)])
+    assert routes.indices.shape == (2, 2, 1, 2)
+    assert routes.indices[0, 1, 0].tolist() == [1, 0]  # sequence 0, position 1 is row s1b0
+    assert routes.indices[1, 0, 0].tolist() == [2, 3]  # sequence 1, position 0 is row s0b1
+    assert torch.equal(routes_to_rows(routes)[0], rows[0])
+    with pytest.raises(ValueError, match="3 rows do not split into batch_size=2"):
+        rows_to_routes([torch.zeros(3, 2, dtype=torch.long)], 2, [LayerInfo("l0", 4, 2)])
+
+
+def test_routes_to_rows_spreads_unrecorded_positions():
+    indices = torch.zeros(2, 3, 1, 2, dtype=torch.uint8)
+    indices[..., 1] = 1
+    mask = torch.tensor([[True, False, False], [True, True, False]])
+    rows = routes_to_rows(Routes(indices, mask, [LayerInfo("l0", 4, 2)]))[0]
+    recorded = mask.T.reshape(-1)
+    assert (rows[recorded] == torch.tensor([0, 1])).all()
+    unrecorded = rows[~recorded]
+    assert (unrecorded[:, 0] != unrecorded[:, 1]).all()  # distinct experts within a row
+    assert len(set(unrecorded.flatten().tolist())) > 2  # not every pad row on the same experts
+
+
+def test_record_then_replay_is_exact_forward_and_backward():
+    model = tiny_gpt()
+    tokens, pos, mask, labels = batch()
+    with record_routes(model) as rec:
+        logits = model(tokens, pos, mask)
+    routes = rec.routes
+    assert routes.indices.shape == (3, 8, LAYERS, TOP_K)
+    assert routes.layer_names == ["decoder.layers.0.mlp.router", "decoder.layers.1.mlp.router"]
+    assert routes.mask.all()
+
+    loss = model(tokens, pos, mask, labels=labels).mean()
+    loss.backward()
+    plain = grads(model)
+    model.zero_grad(set_to_none=True)
+    with replay_routes(model, routes):
+        assert torch.equal(model(tokens, pos, mask), logits)
+        replayed = model(tokens, pos, mask, labels=labels).mean()
+        replayed.backward()
+    assert torch.equal(replayed, loss)
+    got = grads(model)
+    assert plain.keys() == got.keys()
+    assert all(torch.equal(plain[n], got[n]) for n in plain)
+    assert all(got[f"decoder.layers.{i}.mlp.router.weight"].abs().sum() > 0 for i in range(LAYERS))
+
+
+def test_replay_restores_recorded_experts_after_router_perturbation():
+    model = tiny_gpt()
+    tokens, pos, mask, labels = batch(b=4, s=12)
+    with record_routes(model) as rec:
+        model(tokens, pos, mask)
+    routes = rec.routes
+    perturb_routers(model)
+    with record_routes(model) as live:
+        model(tokens, pos, mask)
+    change = expert_change(routes, live.routes)
+    assert change.fraction > 0.05  # the perturbation moves some experts without replay
+
+    seen, handles = capture_routing(model)
+    try:
+        with replay_routes(model, routes):
+            model(tokens, pos, mask, labels=labels).mean().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    for layer in range(LAYERS):
+        assert torch.equal(seen[layer][0], as_map(routes, layer))
+    assert all(r.weight.grad.abs().sum() > 0 for r in routers(model))
+
+
+def test_unrecorded_positions_route_live():
+    model = tiny_gpt()
+    tokens, pos, mask, _ = batch(b=2, s=6)
+    with record_routes(model) as rec:
+        model(tokens, pos, mask)
+    perturb_routers(model, seed=3)
+    with record_routes(model) as live:
+        model(tokens, pos, mask)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[0, :3] = False  # e.g. left padding
+    partial = Routes(rec.routes.indices, keep, rec.routes.layers)
+    seen, handles = capture_routing(model)
+    try:
+        with replay_routes(model, partial):
+            model(tokens, pos, mask)
+    finally:
+        for h in handles:
+            h.remove()
+    rows = keep.T.reshape(-1)
+    for layer in range(LAYERS):
+        assert torch.equal(seen[layer][0][rows], as_map(rec.routes, layer)[rows])
+        assert torch.equal(seen[layer][0][~rows], as_map(live.routes, layer)[~rows])
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_activation_recompute_gradients_equal_the_plain_run(granularity):
+    recompute = {"recompute_granularity": granularity}
+    if granularity == "full":
+        recompute.update(recompute_method="uniform", recompute_num_layers=1)
+    else:
+        recompute.update(recompute_modules=["moe"])
+    plain, ckpt = tiny_gpt(), tiny_gpt(**recompute)
+    tokens, pos, mask, labels = batch(b=4, s=10)
+    with record_routes(plain) as rec:
+        plain(tokens, pos, mask)
+    routes = rec.routes
+    for model in (plain, ckpt):
+        perturb_routers(model)  # so live routing differs from the routes: a recompute routing live would show
+    with record_routes(ckpt) as live:
+        ckpt(tokens, pos, mask, labels=labels).mean().backward()  # recomputes are not recorded twice
+    assert live.routes.batch_size == 4 and len(live.batches) == 1
+    assert expert_change(routes, live.routes).fraction > 0.05
+    for model in (plain, ckpt):
+        model.zero_grad(set_to_none=True)
+        model.train()
+        with replay_routes(model, routes):
+            loss = model(tokens, pos, mask, labels=labels).mean()
+            loss.backward()
+    a, b = grads(plain), grads(ckpt)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_micro_batches_with_recompute_replay_their_own_routes_in_the_backward():
+    # Two micro-batches forward, then both backward (a pipeline schedule). Under recompute, the backward of
+    # micro-batch 0 must replay micro-batch 0's routes, not the last ones set for the forward of micro-batch 1.
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    plain = tiny_gpt()
+    ckpt = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    micro = [batch(b=2, s=10, seed=s) for s in (0, 1)]
+    routes = []
+    for tokens, pos, mask, _ in micro:
+        with record_routes(plain) as rec:
+            plain(tokens, pos, mask)
+        routes.append(rec.routes)
+    assert not routes[0].equal(routes[1])
+    for model in (plain, ckpt):
+        perturb_routers(model)
+
+    def run(model, context):
+        model.zero_grad(set_to_none=True)
+        with context:
+            losses = [model(t, p, m, labels=y).mean() for t, p, m, y in micro]
+            for loss in losses:
+                loss.backward()
+        return grads(model)
+
+    want = run(plain, replay_routes(plain, routes))
+    got = run(ckpt, replay_routes(ckpt, routes))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+    # the trap this guards against: megatron's REPLAY_FORWARD left on while the backward recomputes
+    ckpt.zero_grad(set_to_none=True)
+    losses = []
+    for (t, p, m, y), r in zip(micro, routes, strict=True):
+        for rr, rows in zip((x.router_replay for x in routers(ckpt)), routes_to_rows(r), strict=True):
+            rr.set_target_indices(rows)
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        losses.append(ckpt(t, p, m, labels=y).mean())
+    for loss in losses:
+        loss.backward()
+    for rr in (x.router_replay for x in routers(ckpt)):
+        rr.clear_indices()
+        rr.clear_router_replay_action()
+    wrong = grads(ckpt)
+    assert any(not torch.allclose(wrong[n], want[n], rtol=1e-3, atol=1e-6) for n in want)
+
+    with pytest.raises(ReplayError, match="routes were given for 2 forwards but forward 3 ran"):
+        with torch.no_grad(), replay_routes(plain, routes):
+            for t, p, m, _ in [*micro, micro[0]]:
+                plain(t, p, m)
+
+
+def test_leaving_replay_with_recomputes_pending_is_an_error():
+    model = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    tokens, pos, mask, labels = batch()
+    with record_routes(model) as rec:
+        model(tokens, pos, mask)
+    model.train()
+    with pytest.raises(ReplayError, match="call loss.backward\\(\\) inside"):
+        with replay_routes(model, rec.routes):
+            loss = model(tokens, pos, mask, labels=labels).mean()
+    with torch.no_grad(), replay_routes(model, rec.routes):  # a no-grad forward is never recomputed: fine
+        model(tokens, pos, mask)
+    del loss
+
+
+def test_global_state_is_left_as_found_and_models_do_not_share_routes():
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    a, b = tiny_gpt(seed=0), tiny_gpt(seed=1)
+    instances = list(RouterReplay.global_router_replay_instances)
+    b_replay = [r.router_replay for r in routers(b)]
+    for rr in b_replay:  # somebody else's replay state on model b
+        rr.set_router_replay_action(RouterReplayAction.RECORD)
+        rr.recorded_topk_idx = torch.zeros(1, 2, dtype=torch.long)
+    tokens, pos, mask, labels = batch()
+    with record_routes(a) as rec:
+        a(tokens, pos, mask)
+    with replay_routes(a, rec.routes):
+        a(tokens, pos, mask, labels=labels).mean().backward()
+    assert RouterReplay.global_router_replay_instances == instances
+    for rr in b_replay:
+        assert rr.router_replay_action is RouterReplayAction.RECORD
+        assert torch.equal(rr.recorded_topk_idx, torch.zeros(1, 2, dtype=torch.long))
+    for rr in (r.router_replay for r in routers(a)):
+        assert rr.router_replay_action is None and rr.target_topk_idx is None and rr.replay_backward_list == []
+        assert "get_replay_topk" not in rr.__dict__
+
+    for rr in b_replay:
+        rr.clear_router_replay_action()
+    seen, handles = capture_routing(b)
+    try:
+        b(tokens, pos, mask)  # b's live routing
+        perturb_routers(a, scale=3.0)
+        with replay_routes(a, rec.routes):  # a replays; b, run inside a's context, still routes live
+            b(tokens, pos, mask)
+            a(tokens, pos, mask)
+    finally:
+        for h in handles:
+            h.remove()
+    assert all(torch.equal(calls[0], calls[1]) for calls in seen)
+    assert not all(torch.equal(seen[i][0], as_map(rec.routes, i)) for i in range(LAYERS))  # b differs from a
+
+
+def test_hooks_removed_on_exit_and_when_forward_raises():
+    model = tiny_gpt()
+    counts = [(len(r._forward_pre_hooks), len(r._forward_hooks)) for r in routers(model)]
+    tokens, pos, mask, _ = batch()
+    with record_routes(model) as rec:
+        model(tokens, pos, mask)
+    with pytest.raises(ReplayError, match="routes hold B=3 sequences of T=8 positions"):
+        with replay_routes(model, rec.routes):
+            model(tokens[:2], pos[:2], mask[:2])
+    assert [(len(r._forward_pre_hooks), len(r._forward_hooks)) for r in routers(model)] == counts
+    assert len(model._forward_hooks) == 0 and len(model._forward_pre_hooks) == 0
+
+
+def test_refusals_name_the_fix():
+    tokens, pos, mask, _ = batch()
+    with pytest.raises(ValueError, match="moe_enable_routing_replay=True"):
+        record_routes(tiny_gpt(moe_enable_routing_replay=False)).__enter__()
+    sinkhorn = tiny_gpt(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1)
+    with pytest.raises(ValueError, match="sinkhorn"):
+        record_routes(sinkhorn).__enter__()
+    fused = tiny_gpt()
+    for r in routers(fused):
+        r.config.moe_router_fusion = True  # TE is absent here, so build unfused and flip the flag
+    with pytest.raises(ValueError, match="moe_router_fusion"):
+        replay_routes(fused, Routes.__new__(Routes)).__enter__()
+    with pytest.raises(ValueError, match="no megatron-core MoE router"):
+        record_routes(torch.nn.Linear(2, 2)).__enter__()
+
+    model = tiny_gpt()
+    with record_routes(model) as rec:
+        model(tokens, pos, mask)
+    with pytest.raises(RuntimeError, match="cannot nest"):
+        with record_routes(model), replay_routes(model, rec.routes):
+            pass
+    other = Routes(rec.routes.indices, rec.routes.mask, [LayerInfo(x.name, 8, 2) for x in rec.routes.layers])
+    with pytest.raises(ReplayError, match="E=8, K=2 but router 'decoder.layers.0.mlp.router' has E=4, K=2"):
+        replay_routes(model, other).__enter__()
+    with pytest.raises(ReplayError, match="never replayed"):
+        with replay_routes(model, rec.routes):
+            pass
+
+
+def test_routes_from_another_engine_match_by_layer_order():
+    model = tiny_gpt()
+    tokens, pos, mask, _ = batch()
+    with record_routes(model) as rec:
+        logits = model(tokens, pos, mask)
+    renamed = Routes(
+        rec.routes.indices, rec.routes.mask, [LayerInfo(f"model.layers.{i}.mlp.gate", EXPERTS, TOP_K) for i in (0, 1)]
+    )
+    perturb_routers(model)
+    with replay_routes(model, renamed):
+        replayed = model(tokens, pos, mask)
+    with replay_routes(model, rec.routes):
+        assert torch.equal(model(tokens, pos, mask), replayed)
+    assert not torch.equal(replayed, logits)  # the perturbed router still weighs the experts
+
+
+def test_routes_save_load_and_top_level_dispatch(tmp_path):
+    model = tiny_gpt()
+    tokens, pos, mask, _ = batch()
+    with moe_replay.record_routes(model) as rec:
+        assert isinstance(rec, MegatronRouteRecorder)
+        model(tokens, pos, mask)
+    path = tmp_path / "megatron.routes.safetensors"
+    rec.routes.save(path)
+    loaded = Routes.load(path)
+    assert loaded.equal(rec.routes) and loaded.layers == rec.routes.layers
+    assert expert_change(loaded, rec.routes).fraction == 0.0
+    with moe_replay.replay_routes(model, loaded):
+        model(tokens, pos, mask)
+    assert [s.name for s in find_routers(model)] == loaded.layer_names
+
+
+def test_missing_megatron_says_how_to_install(monkeypatch):
+    from moe_replay.integrations import megatron
+
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.moe.router", None)
+    with pytest.raises(ImportError, match=r"pip install 'moe-replay\[megatron\]'"):
+        megatron.find_routers(torch.nn.Linear(2, 2))
