@@ -147,3 +147,26 @@ def test_another_family_as_policy(tmp_path):
     out = train(cfg, progress=False)
     assert (out / "init" / "config.json").read_text().count('"mixtral"') == 1
     assert len(pd.read_csv(out / "steps.csv")) == 1
+
+
+def test_router_scale_keeps_the_choice_and_sharpens_or_flattens_the_weights(tmp_path, init):
+    from transformers import AutoModelForCausalLM
+
+    from moe_replay import record_routes
+    from moe_replay.rl.policy import scale_routers
+
+    x = Task("addition", 2).sample(8, torch.Generator().manual_seed(0))[0]
+    model = AutoModelForCausalLM.from_pretrained(init)
+    before = [r.weight.clone() for r in (layer.mlp.gate for layer in model.model.layers)]
+    with record_routes(model) as rec:
+        model(x)
+    scale_routers(model, 0.25)
+    after = [layer.mlp.gate.weight for layer in model.model.layers]
+    assert all(torch.equal(a, 0.25 * b) for a, b in zip(after, before, strict=True))  # a power of 2: exact
+    with record_routes(model) as rec_scaled:
+        model(x)
+    assert rec_scaled.routes.equal(rec.routes)  # the top-k of scaled logits is the same choice
+    with pytest.raises(ValueError, match="router_scale must be > 0, got 0"):
+        TrainConfig(router_scale=0)
+    out = train(config(tmp_path, init, steps=1, router_scale=4.0), progress=False)
+    assert pd.read_csv(out / "steps.csv").shape[0] == 1
