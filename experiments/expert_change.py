@@ -10,10 +10,11 @@ teacher-forced on that batch, before vs after the update (`measure_update_drift`
 weight by about lr, so updates 1..N are reported separately (the paper's runs are deep into training).
 
     python experiments/expert_change.py --preset quick   # 3 variants x 2 learning rates, a few minutes
-    python experiments/expert_change.py --preset full    # the README's figures (about 10 minutes on 2 CPU cores)
+    python experiments/expert_change.py --preset full    # the README's table, 3 seeds (about 15 minutes on 2 CPU cores)
 
-Writes experiments/results/expert_change.csv (tidy: variant, layers, experts, top_k, lr, update, layer, fraction)
-and experiments/results/expert_change_lr.png, expert_change_layers.png.
+Writes experiments/results/expert_change.csv (tidy: variant, layers, experts, top_k, seed, lr, update, layer,
+fraction), expert_change_summary.csv (per variant and lr: first update and later updates, mean and sd over seeds, %)
+and expert_change_lr.png, expert_change_layers.png.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ PRESETS = {
         "lrs": [1e-4, 1e-3],
         "updates": 2,
         "warm_steps": 150,
+        "seeds": [0],
     },
     "full": {
         "variants": [(4, 16, 2), (8, 16, 2), (12, 16, 2), (4, 8, 2), (4, 64, 2), (4, 16, 1), (4, 16, 4), (4, 64, 8)],
         "lrs": [1e-4, 3e-4, 1e-3, 3e-3],
         "updates": 4,
         "warm_steps": 300,
+        "seeds": [0, 1, 2],
     },
 }
 
@@ -51,7 +54,7 @@ def warm_policy(layers: int, experts: int, top_k: int, steps: int, cache: Path, 
     """A warm-started policy of that shape (cached as a save_pretrained directory)."""
     from transformers import AutoModelForCausalLM
 
-    path = cache / f"init_L{layers}_E{experts}_k{top_k}"
+    path = cache / f"init_L{layers}_E{experts}_k{top_k}_seed{seed}"
     if not (path / "config.json").exists():
         model = build_policy(
             {"num_hidden_layers": layers, "num_experts": experts, "num_experts_per_tok": top_k}, seed=seed
@@ -89,6 +92,24 @@ def drift_per_update(model: torch.nn.Module, lr: float, updates: int, seed: int 
     return out
 
 
+def summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per variant and lr, in %: the first update's change and the mean of later updates, mean and sd over seeds."""
+    per_seed = frame.groupby(["variant", "lr", "seed", "update"], sort=False).fraction.mean().reset_index()
+    first = per_seed[per_seed["update"] == 1].groupby(["variant", "lr"], sort=False).fraction
+    later = per_seed[per_seed["update"] > 1].groupby(["variant", "lr", "seed"], sort=False).fraction.mean()
+    later = later.groupby(["variant", "lr"], sort=False)
+    out = pd.DataFrame(
+        {
+            "first_mean": first.mean() * 100,
+            "first_sd": first.std().fillna(0) * 100,
+            "later_mean": later.mean() * 100,
+            "later_sd": later.std().fillna(0) * 100,
+            "seeds": first.size(),
+        }
+    )
+    return out.reset_index()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="full")
@@ -99,44 +120,52 @@ def main() -> None:
     cache = Path("runs/expert_change")
     rows = []
     for layers, experts, top_k in p["variants"]:
-        base = warm_policy(layers, experts, top_k, p["warm_steps"], cache)
-        for lr in p["lrs"]:
-            torch.manual_seed(0)
-            per_update = drift_per_update(copy.deepcopy(base), lr, p["updates"])
-            for u, per_layer in enumerate(per_update, start=1):
-                for i, (name, frac) in enumerate(per_layer.items()):
-                    rows.append(
-                        {
-                            "variant": f"L{layers} E{experts} k{top_k}",
-                            "layers": layers,
-                            "experts": experts,
-                            "top_k": top_k,
-                            "lr": lr,
-                            "update": u,
-                            "layer": i,
-                            "layer_name": name,
-                            "fraction": frac,
-                        }
-                    )
-            overall = [s.mean() for s in per_update]
-            print(f"L{layers:2d} E{experts:2d} k{top_k}  lr {lr:g}: " + "  ".join(f"{f:.2%}" for f in overall))
+        for seed in p["seeds"]:
+            base = warm_policy(layers, experts, top_k, p["warm_steps"], cache, seed=seed)
+            for lr in p["lrs"]:
+                torch.manual_seed(seed)
+                per_update = drift_per_update(copy.deepcopy(base), lr, p["updates"], seed=seed)
+                for u, per_layer in enumerate(per_update, start=1):
+                    for i, (name, frac) in enumerate(per_layer.items()):
+                        rows.append(
+                            {
+                                "variant": f"L{layers} E{experts} k{top_k}",
+                                "layers": layers,
+                                "experts": experts,
+                                "top_k": top_k,
+                                "seed": seed,
+                                "lr": lr,
+                                "update": u,
+                                "layer": i,
+                                "layer_name": name,
+                                "fraction": frac,
+                            }
+                        )
+                overall = [s.mean() for s in per_update]
+                print(
+                    f"L{layers:2d} E{experts:2d} k{top_k} seed {seed}  lr {lr:g}: "
+                    + "  ".join(f"{f:.2%}" for f in overall)
+                )
     frame = pd.DataFrame(rows)
     frame.to_csv(args.out / "expert_change.csv", index=False)
 
-    overall = frame.groupby(["variant", "lr", "update"], sort=False).fraction.mean().reset_index()
+    table = summary(frame)
+    table.to_csv(args.out / "expert_change_summary.csv", index=False)
+    print(table.to_string(index=False, formatters={"lr": "{:g}".format}, float_format=lambda v: f"{v:.2f}"))
     fig = Figure(figsize=(7.5, 4), layout="constrained")
     ax = fig.subplots()
-    for variant, part in overall.groupby("variant", sort=False):
-        first = part[part["update"] == 1]
-        later = part[part["update"] > 1].groupby("lr").fraction.mean()
-        (line,) = ax.plot(first.lr, first.fraction * 100, marker="o", label=f"{variant}, update 1")
-        if len(later):
-            ax.plot(later.index, later * 100, marker="x", ls="--", color=line.get_color(), label=f"{variant}, later")
+    for variant, part in table.groupby("variant", sort=False):
+        (line,) = ax.plot(part.lr, part.first_mean, marker="o", label=f"{variant}, update 1")
+        ax.fill_between(part.lr, part.first_mean - part.first_sd, part.first_mean + part.first_sd, alpha=0.15)
+        if part.later_mean.notna().any():
+            ax.plot(part.lr, part.later_mean, marker="x", ls="--", color=line.get_color(), label=f"{variant}, later")
     ax.axhline(10, color="k", lw=1, ls=":", label="GSPO paper: ~10% (Qwen3-30B-A3B)")
     ax.set_xscale("log")
     ax.set_xlabel("learning rate (Adam)")
     ax.set_ylabel("routed experts changed by one update (%)")
-    ax.set_title("Expert change after one GRPO update, tiny MoE on 3-digit addition")
+    ax.set_title(
+        f"Expert change after one GRPO update, tiny MoE on 3-digit addition (mean ± sd, {len(p['seeds'])} seed(s))"
+    )
     ax.legend(fontsize="x-small", ncol=2)
     fig.savefig(args.out / "expert_change_lr.png", dpi=120)
 
@@ -145,7 +174,7 @@ def main() -> None:
     ax = fig.subplots()
     for variant, part in frame[(frame.lr == lr) & (frame.experts == 16) & (frame.top_k == 2)].groupby("variant"):
         curve = part.groupby("layer").fraction.mean() * 100
-        ax.plot(curve.index, curve.values, marker="o", label=f"{variant} (mean of {p['updates']} updates)")
+        ax.plot(curve.index, curve.values, marker="o", label=f"{variant} (mean of {p['updates']} updates, seeds)")
     ax.set_xlabel("MoE layer index")
     ax.set_ylabel("routed experts changed (%)")
     ax.set_title(f"Expert change per layer, lr {lr:g}, by depth")
