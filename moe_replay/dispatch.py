@@ -3,6 +3,8 @@ megatron-core model."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from . import hooks
@@ -25,10 +27,12 @@ def record_routes(model: nn.Module) -> hooks.RouteRecorder | megatron.MegatronRo
     return hooks.record_routes(model)
 
 
-def replay_routes(model: nn.Module, routes: Routes) -> hooks.RouteReplayer | megatron.MegatronRouteReplayer:
+def replay_routes(
+    model: nn.Module, routes: Routes | Sequence[Routes]
+) -> hooks.RouteReplayer | megatron.MegatronRouteReplayer:
     """Force every router of `model` to select the experts in `routes` while the context is open (forward, and
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
-    `record_routes`.
+    `record_routes`; a list of `Routes` (one per micro-batch forward) is for megatron-core models.
 
     Example:
         >>> with replay_routes(model, routes):  # doctest: +SKIP

@@ -157,6 +157,15 @@ def set_weights(model: torch.nn.Module, seed: int) -> None:
             p.copy_(full)
 
 
+def perturb_routers(model: torch.nn.Module, seed: int = 1, scale: float = 1.0) -> None:
+    """Add noise (scale x the weights' sd, drawn from `seed` in router order) to every router's weights."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("mlp.router"):
+                module.weight.add_(scale * module.weight.std() * torch.randn(module.weight.shape, generator=gen))
+
+
 def batch(b: int = 3, s: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """tokens [b, s], position_ids [b, s], a causal attention mask [b, 1, s, s] (True = masked) and labels."""
     gen = torch.Generator().manual_seed(seed)
@@ -200,12 +209,19 @@ def parallel_worker(rank: int, mode: str, out_dir: str, port: int) -> None:
         with replay_routes(model, reference):
             loss_ref_routes = model(tokens, pos, mask, labels=labels)
             loss_ref_routes.mean().backward()
+        perturb_routers(model)  # now live routing moves: replay has to force the reference routes
+        with record_routes(model) as live:
+            model(tokens, pos, mask)
+        with replay_routes(model, reference):
+            loss_perturbed = model(tokens, pos, mask, labels=labels).detach()
         torch.save(
             {
                 "routes": rec.routes.indices,
                 "replay_exact": torch.equal(logits, replayed),
                 "loss": loss.detach(),
                 "loss_reference_routes": loss_ref_routes.detach(),
+                "live_routes_perturbed": live.routes.indices,
+                "loss_perturbed_replay": loss_perturbed,
                 "router_input_len": seen_len[0],
                 "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
                 "router_grads": [

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
-from megatron_utils import EXPERTS, LAYERS, TOP_K, batch, megatron_cpu, tiny_gpt  # noqa: E402
+from megatron_utils import EXPERTS, LAYERS, TOP_K, batch, megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
 
 import moe_replay  # noqa: E402
 from moe_replay import ReplayError, Routes, expert_change  # noqa: E402
@@ -48,13 +48,6 @@ def as_map(routes: Routes, layer: int) -> torch.Tensor:
     """Routes of one layer as a routing map [T*B, E] in Megatron's sequence-major row order."""
     rows = routes_to_rows(routes)[layer]
     return torch.zeros(rows.shape[0], EXPERTS, dtype=torch.bool).scatter(1, rows, True)
-
-
-def perturb_routers(model, seed=1, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for r in routers(model):
-            r.weight.add_(scale * r.weight.std() * torch.randn(r.weight.shape, generator=gen))
 
 
 def grads(model):
@@ -240,6 +233,40 @@ def test_micro_batches_with_recompute_replay_their_own_routes_in_the_backward():
                 plain(t, p, m)
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},  # layer 0 only
+        {"recompute_granularity": "selective", "recompute_modules": ["moe"], "eval": True},  # runs in eval too
+        {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1, "queued": True},
+    ],
+    ids=["block-partial", "selective-eval", "megatron-queue-not-empty"],
+)
+def test_recompute_variants_give_the_plain_gradients(setting):
+    setting = dict(setting)
+    eval_mode, queued = setting.pop("eval", False), setting.pop("queued", False)
+    plain, ckpt = tiny_gpt(), tiny_gpt(**setting)
+    tokens, pos, mask, labels = batch(b=3, s=10)
+    with record_routes(plain) as rec:
+        plain(tokens, pos, mask)
+    stale = []
+    if queued:  # rows somebody queued through megatron's own API before the context opened
+        for rr in (r.router_replay for r in routers(ckpt)):
+            rr.set_target_indices(torch.zeros(30, 2, dtype=torch.long))
+            stale.append(list(rr.replay_backward_list))
+    for model in (plain, ckpt):
+        perturb_routers(model)
+        model.zero_grad(set_to_none=True)
+        model.train(not eval_mode)
+        with replay_routes(model, rec.routes):
+            model(tokens, pos, mask, labels=labels).mean().backward()
+    a, b = grads(plain), grads(ckpt)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-7, msg=name)
+    if queued:
+        assert [list(r.router_replay.replay_backward_list) for r in routers(ckpt)] == stale
+
+
 def test_leaving_replay_with_recomputes_pending_is_an_error():
     model = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     tokens, pos, mask, labels = batch()
@@ -303,6 +330,9 @@ def test_hooks_removed_on_exit_and_when_forward_raises():
             model(tokens[:2], pos[:2], mask[:2])
     assert [(len(r._forward_pre_hooks), len(r._forward_hooks)) for r in routers(model)] == counts
     assert len(model._forward_hooks) == 0 and len(model._forward_pre_hooks) == 0
+    for rr in (r.router_replay for r in routers(model)):  # the replay state is back as well
+        assert rr.router_replay_action is None and rr.replay_backward_list == [] and rr.target_topk_idx is None
+        assert not [k for k in rr.__dict__ if k == "get_replay_topk" or k.startswith("_moe_replay")]
 
 
 def test_refusals_name_the_fix():
@@ -317,6 +347,15 @@ def test_refusals_name_the_fix():
         r.config.moe_router_fusion = True  # TE is absent here, so build unfused and flip the flag
     with pytest.raises(ValueError, match="moe_router_fusion"):
         replay_routes(fused, Routes.__new__(Routes)).__enter__()
+    for flag, words in [("pipeline_model_parallel_size", "pipeline parallelism"), ("context_parallel_size", "context")]:
+        model = tiny_gpt()
+        setattr(routers(model)[0].config, flag, 2)
+        with pytest.raises(ValueError, match=words):
+            record_routes(model).__enter__()
+    forced = tiny_gpt()
+    routers(forced)[0].config.moe_router_force_load_balancing = True
+    with pytest.raises(ValueError, match="moe_router_force_load_balancing"):
+        record_routes(forced).__enter__()
     with pytest.raises(ValueError, match="no megatron-core MoE router"):
         record_routes(torch.nn.Linear(2, 2)).__enter__()
 
@@ -332,6 +371,36 @@ def test_refusals_name_the_fix():
     with pytest.raises(ReplayError, match="never replayed"):
         with replay_routes(model, rec.routes):
             pass
+
+
+def test_wrapped_model_contexts_do_not_nest_and_inner_forwards_are_refused():
+    model = tiny_gpt()
+    wrapper = torch.nn.ModuleDict({"module": model})
+    wrapper.forward = lambda *a, **k: model(*a, **k)
+    tokens, pos, mask, _ = batch()
+    with record_routes(model) as rec:
+        model(tokens, pos, mask)
+    with pytest.raises(RuntimeError, match="cannot nest"):
+        with replay_routes(wrapper, rec.routes), record_routes(model):
+            pass
+    with pytest.raises(ReplayError, match="outside a forward of the ModuleDict"):
+        with replay_routes(wrapper, rec.routes):
+            model(tokens, pos, mask)  # the inner module, not the one the context is on
+    with replay_routes(wrapper, rec.routes):
+        wrapper(tokens, pos, mask)
+
+
+def test_unrecorded_positions_may_hold_any_value():
+    model = tiny_gpt()
+    tokens, pos, mask, _ = batch(b=2, s=6)
+    with record_routes(model) as rec:
+        logits = model(tokens, pos, mask)
+    indices = rec.routes.indices.clone()
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[1, :2] = False
+    indices[1, :2] = 255  # e.g. another engine's fill value for padding
+    with replay_routes(model, Routes(indices, keep, rec.routes.layers)):
+        assert torch.equal(model(tokens, pos, mask), logits)  # the padding routes live, as recorded
 
 
 def test_routes_from_another_engine_match_by_layer_order():

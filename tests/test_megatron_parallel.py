@@ -8,24 +8,29 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
-from megatron_utils import batch, megatron_cpu, parallel_worker, tiny_gpt  # noqa: E402
+from megatron_utils import batch, megatron_cpu, parallel_worker, perturb_routers, tiny_gpt  # noqa: E402
 
-from moe_replay.integrations.megatron import record_routes  # noqa: E402
+from moe_replay.integrations.megatron import record_routes, replay_routes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Routes and per-token losses of the unsplit model on batch seeds 0 and 1, from one process."""
+    """Routes and per-token losses of the unsplit model on batch seeds 0 and 1, from one process, and the loss of
+    the same model with perturbed routers replaying those routes."""
     out = tmp_path_factory.mktemp("megatron_parallel")
     found = {}
     with megatron_cpu(port=29551):
-        model = tiny_gpt()
         for seed in (0, 1):
+            model = tiny_gpt()
             tokens, pos, mask, labels = batch(b=3, s=8, seed=seed)
             with record_routes(model) as rec:
                 model(tokens, pos, mask)
             rec.routes.save(out / f"reference_seed{seed}.safetensors")
-            found[seed] = (rec.routes.indices, model(tokens, pos, mask, labels=labels).detach())
+            loss = model(tokens, pos, mask, labels=labels).detach()
+            perturb_routers(model)
+            with replay_routes(model, rec.routes):
+                perturbed = model(tokens, pos, mask, labels=labels).detach()
+            found[seed] = (rec.routes.indices, loss, perturbed)
     return out, found
 
 
@@ -36,7 +41,7 @@ def test_two_ranks_replay_exactly_and_match_one_process(references, mode, port):
     for rank in (0, 1):
         seen = torch.load(out / f"rank{rank}.pt")
         seed = 0 if mode == "tp" else rank
-        routes, loss = found[seed]
+        routes, loss, perturbed = found[seed]
         # the split really happened: half the sequence per router call (tp), half the experts per rank (ep)
         assert (seen["router_input_len"], seen["local_experts"]) == ((4, 4) if mode == "tp" else (8, 2))
         assert seen["replay_exact"], f"rank {rank}: replaying its own routes changed the logits"
@@ -45,3 +50,6 @@ def test_two_ranks_replay_exactly_and_match_one_process(references, mode, port):
         torch.testing.assert_close(seen["loss"], loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(seen["loss_reference_routes"], loss, rtol=1e-5, atol=1e-6)
         assert all(g > 0 for g in seen["router_grads"])
+        # after perturbing the routers, live routing moves, and replay forces the single-process routes
+        assert not torch.equal(seen["live_routes_perturbed"], routes)
+        torch.testing.assert_close(seen["loss_perturbed_replay"], perturbed, rtol=1e-5, atol=1e-6)

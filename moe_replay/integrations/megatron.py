@@ -10,8 +10,9 @@ time, and give back a `Routes` [B, T, L, K] like the Hugging Face contexts do:
   With sequence parallelism each tensor-parallel rank routes a slice of the sequence; the slices are gathered so
   every rank holds the whole batch.
 - replay: before each router call the rows for that call are handed to `RouterReplay` (REPLAY_FORWARD); its scores
-  are gathered at the replayed experts, so the router keeps its gradient. Activation recompute re-runs routers
-  inside the backward: those calls switch to REPLAY_BACKWARD and take the rows of the forward they recompute.
+  are gathered at the replayed experts, so the router keeps its gradient. Activation recompute runs the first
+  forward of a checkpointed block without grad inside a forward with grad; those calls queue their rows, and when the
+  backward re-runs them they switch to REPLAY_BACKWARD and take the rows of the forward they recompute, in order.
   Positions the routes mark as not recorded (padding) route live, as on Hugging Face models.
 - on exit every instance gets back the action, indices and backward queue it had; the global instance list is
   never touched, so two models in one process do not see each other's routes.
@@ -19,9 +20,9 @@ time, and give back a `Routes` [B, T, L, K] like the Hugging Face contexts do:
 What replay does not cover (megatron-core's design): the auxiliary load-balancing losses recompute their own
 top-k from the live scores, so they see live routing, not the replayed one; capacity dropping
 (`moe_expert_capacity_factor`) runs after replay and may drop replayed tokens; the expert-bias load counter counts
-the replayed routing. Not supported (refused with a ValueError): `moe_router_fusion`, sinkhorn routing, CUDA
-graphs (a captured graph skips the hooks), context parallelism. With pipeline parallelism each stage records and
-replays its own layers.
+the replayed routing. Refused with a ValueError: `moe_router_fusion`, sinkhorn routing,
+`moe_router_force_load_balancing`, CUDA graphs (a captured graph skips the hooks), context parallelism and
+pipeline parallelism (not supported yet). A router call that bypasses `RouterReplay` anyway raises `ReplayError`.
 
 Example:
     >>> from moe_replay.integrations.megatron import record_routes, replay_routes  # doctest: +SKIP
@@ -75,13 +76,6 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _recomputes_router(config: Any) -> bool:
-    """Whether activation recompute re-runs the router (whole layers, or the MoE layer)."""
-    granularity = getattr(config, "recompute_granularity", None)
-    modules = getattr(config, "recompute_modules", None) or []
-    return granularity == "full" or (granularity == "selective" and "moe" in modules)
-
-
 @dataclass
 class _Site:
     """One router of the model and the replay bookkeeping of the open context."""
@@ -130,6 +124,13 @@ def find_routers(model: nn.Module) -> list[_Site]:
             or getattr(config, "enable_cuda_graph", False),
             "context parallelism (its sequence layout is not supported)": getattr(config, "context_parallel_size", 1)
             > 1,
+            "pipeline parallelism (not supported yet: a stage holds only some layers, named locally)": getattr(
+                config, "pipeline_model_parallel_size", 1
+            )
+            > 1,
+            "moe_router_force_load_balancing=True (random logits for benchmarks)": getattr(
+                config, "moe_router_force_load_balancing", False
+            ),
         }
         for what, on in refused.items():
             if on:
@@ -194,7 +195,8 @@ class _Context:
         self.sites: list[_Site] = []
         self._handles: list[Any] = []
         self._grad_forward = False
-        self._training = False
+        self._in_forward = False
+        self._forwards = 0
         self._active = False
 
     def __enter__(self) -> _Context:
@@ -202,20 +204,26 @@ class _Context:
             raise RuntimeError("this context is already active")
         _, self._action = _megatron()
         sites = find_routers(self.model)
-        if _ACTIVE in self.model.__dict__:
+        busy = [s.name for s in sites if _ACTIVE in s.router.router_replay.__dict__]
+        if busy:
             raise RuntimeError(
-                f"{type(self.model).__name__} already has an open moe-replay context; megatron-core's RouterReplay "
-                "holds one action per router, so contexts on one Megatron model cannot nest"
+                f"routers {busy} are already in an open moe-replay context; megatron-core's RouterReplay holds one "
+                "action per router, so contexts on one Megatron model (or a wrapper and the model) cannot nest"
             )
         self._prepare(sites)
-        self._forwards = 0
+        self._forwards, self._in_forward = 0, False
         self.sites = sites
-        self.model.__dict__[_ACTIVE] = self
         try:
             for site in sites:
                 rr = site.router.router_replay
-                queue = list(rr.replay_backward_list)
-                site.saved = (rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx, queue)
+                site.saved = (
+                    rr.router_replay_action,
+                    rr.target_topk_idx,
+                    rr.recorded_topk_idx,
+                    rr.replay_backward_list,
+                )
+                rr.replay_backward_list = []  # ours alone while the context is open (restored on exit)
+                rr.__dict__[_ACTIVE] = self
                 rr.get_replay_topk = self._topk_wrapper(site, type(rr).get_replay_topk.__get__(rr))
                 self._handles.append(site.router.register_forward_pre_hook(self._router_pre_hook(site)))
                 self._handles.append(site.router.register_forward_hook(self._router_post_hook(site)))
@@ -241,17 +249,31 @@ class _Context:
         self._handles = []
         for site in self.sites:
             rr = site.router.router_replay
+            if rr.__dict__.get(_ACTIVE) is not self:
+                continue
+            del rr.__dict__[_ACTIVE]
             rr.__dict__.pop("get_replay_topk", None)
-            if site.saved:
-                action, target, recorded, queue = site.saved
-                rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx = action, target, recorded
-                rr.replay_backward_list = queue
-        self.model.__dict__.pop(_ACTIVE, None)
+            action, target, recorded, queue = site.saved
+            rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx = action, target, recorded
+            rr.replay_backward_list = queue
 
     def _model_pre_hook(self, module: nn.Module, args: Any) -> None:
         self._forwards += 1
         self._grad_forward = torch.is_grad_enabled()
-        self._training = module.training
+        self._in_forward = True
+        self._forward_starts()
+
+    def _model_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_forward = False
+        self._forward_ends()
+
+    def _check_call(self, site: _Site) -> None:
+        """A router call outside the backward must come from a forward of the module the context was opened on."""
+        if not self._in_forward:
+            raise ReplayError(
+                f"router {site.name!r} ran outside a forward of the {type(self.model).__name__} the context was "
+                "opened on (e.g. on an inner module of a wrapper): open the context on the module you call"
+            )
 
     def _topk_wrapper(self, site: _Site, original: Any) -> Any:
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):  # noqa: ANN001, ANN202
@@ -281,7 +303,8 @@ class _Context:
     def _prepare(self, sites: list[_Site]) -> None: ...
     def _router_pre_hook(self, site: _Site) -> Any: ...
     def _after_router(self, site: _Site, hidden: torch.Tensor) -> None: ...
-    def _model_post_hook(self, module: nn.Module, args: Any, output: Any) -> None: ...
+    def _forward_starts(self) -> None: ...
+    def _forward_ends(self) -> None: ...
     def _finish(self) -> None: ...
 
 
@@ -305,6 +328,8 @@ class MegatronRouteRecorder(_Context):
         record = self._action.RECORD
 
         def hook(module: nn.Module, args: Any) -> None:
+            if not _in_backward():
+                self._check_call(site)
             site.used = False
             site.mask = None
             rr = module.router_replay
@@ -328,7 +353,10 @@ class MegatronRouteRecorder(_Context):
             raise ReplayError(f"router {site.name!r} ran twice in one forward; record one forward at a time")
         self._current[site.name] = rows.transpose(0, 1)  # [B, S, K]
 
-    def _model_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _forward_starts(self) -> None:
+        self._current = {}  # a forward that raised may have left some layers behind
+
+    def _forward_ends(self) -> None:
         current, self._current = self._current, {}
         if not current:
             return
@@ -373,7 +401,9 @@ class MegatronRouteReplayer(_Context):
         self._masks: list[torch.Tensor] = []  # per Routes: [T, B] bool, sequence-major like Megatron's rows
         for r in self.routes if self.per_forward else [self.routes]:
             columns = self._columns(r, sites)
-            self._rows.append({s.name: r.indices[:, :, columns[s.name]].transpose(0, 1).long() for s in sites})
+            T, B = r.seq_len, r.batch_size
+            rows = routes_to_rows(r)  # unrecorded positions get valid ids (they route live anyway)
+            self._rows.append({s.name: rows[columns[s.name]].reshape(T, B, -1) for s in sites})
             self._masks.append(r.mask.transpose(0, 1))
         self._consumed = False
 
@@ -396,6 +426,7 @@ class MegatronRouteReplayer(_Context):
 
     def _call_rows(self, site: _Site, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This call's rows [S_local * B, K] and mask [S_local * B], checked against the call's shape."""
+        self._check_call(site)
         n = self._forwards - 1 if self.per_forward else 0
         if n >= len(self._rows):
             raise ReplayError(f"routes were given for {len(self._rows)} forwards but forward {n + 1} ran")
@@ -425,6 +456,10 @@ class MegatronRouteReplayer(_Context):
                         f"router {site.name!r} is recomputed in the backward but no replayed forward awaits it: "
                         "run the forward inside the same `with replay_routes(...)`"
                     )
+                if len(rr.replay_backward_list) != len(site.pending):
+                    raise ReplayError(
+                        f"router {site.name!r}: megatron's REPLAY_BACKWARD queue was changed from outside the context"
+                    )
                 rows, site.mask = site.pending.pop(0)
                 if rows.shape[0] != args[0].shape[0] * args[0].shape[1]:
                     raise ReplayError(f"router {site.name!r}: the recompute's shape differs from its forward's")
@@ -433,18 +468,17 @@ class MegatronRouteReplayer(_Context):
             rows, site.mask = self._call_rows(site, args[0])
             rr.set_router_replay_action(forward)
             rr.set_target_indices(rows)  # also queues the rows for REPLAY_BACKWARD
-            if self._grad_forward and self._training and _recomputes_router(module.config):
+            # Activation recompute runs the first forward of a checkpointed block without grad inside a forward
+            # that has it: exactly the calls the backward will re-run.
+            if self._grad_forward and not torch.is_grad_enabled():
                 site.pending.append((rows, site.mask))
-            else:  # this forward is never recomputed: keep Megatron's backward queue in step with ours
+            else:  # this call is never recomputed: keep Megatron's backward queue in step with ours
                 rr.replay_backward_list.pop()
 
         return hook
 
     def _after_router(self, site: _Site, hidden: torch.Tensor) -> None:
         self._consumed = True
-
-    def _model_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        pass
 
     def _finish(self) -> None:
         waiting = sum(len(s.pending) for s in self.sites)
