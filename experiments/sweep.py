@@ -4,7 +4,7 @@ seeds, one knob changed at a time from the compare.py setting, plus all stressor
 Tests the GSPO paper's claim that GRPO does not converge on an MoE model without Routing Replay (Zheng et al. 2025,
 arXiv 2507.18071, §5.3), at toy scale, by turning up the knobs that should make routing drift matter: μ (more
 minibatches per batch, so later minibatches sit further from π_old), learning rate (more experts change per
-update), response length, depth, router sharpness (the routers' weights scaled after the warm start), and a bf16
+update), response length, depth, number of experts and top-k, router sharpness (the routers' weights scaled after the warm start), and a bf16
 sampler against an fp32 trainer (rollout-vs-trainer mismatch, which replay of the rollout routes removes).
 
 How it differs from the paper: the tiny Qwen3-MoE of compare.py (4 layers, 16 experts, top-2) on 3-digit addition,
@@ -37,6 +37,8 @@ SETTINGS: dict[str, dict] = {
     "lr1e-3": {"lr": 1e-3},
     "long": {"task_size": 7},  # 8-token answers instead of 4
     "deep": {"policy": {"num_hidden_layers": 12}},
+    "top1": {"policy": {"num_experts_per_tok": 1}},  # one expert per token: the most fragile choice
+    "e64": {"policy": {"num_experts": 64}},  # 64 experts, top-2: narrower margins between experts
     "sharp": {"router_scale": 4.0},
     "flat": {"router_scale": 0.25},
     "bf16": {"rollout_dtype": "bfloat16"},
@@ -50,8 +52,11 @@ PRESETS = {
 
 def init_dir(runs: Path, settings: dict, seed: int) -> Path:
     """The warm start a setting shares with the others of the same task and policy shape."""
-    layers = settings.get("policy", {}).get("num_hidden_layers", 4)
-    return runs / f"init_add{settings.get('task_size', 3)}_L{layers}_seed{seed}"
+    policy = settings.get("policy", {})
+    layers = policy.get("num_hidden_layers", 4)
+    shape = (policy.get("num_experts", 16), policy.get("num_experts_per_tok", 2))
+    experts = "" if shape == (16, 2) else f"_E{shape[0]}_k{shape[1]}"
+    return runs / f"init_add{settings.get('task_size', 3)}_L{layers}{experts}_seed{seed}"
 
 
 def run_all(names: list[str], preset: str, runs: Path, progress: bool) -> pd.DataFrame:
