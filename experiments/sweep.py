@@ -4,8 +4,9 @@ seeds, one knob changed at a time from the compare.py setting, plus all stressor
 Tests the GSPO paper's claim that GRPO does not converge on an MoE model without Routing Replay (Zheng et al. 2025,
 arXiv 2507.18071, §5.3), at toy scale, by turning up the knobs that should make routing drift matter: μ (more
 minibatches per batch, so later minibatches sit further from π_old), learning rate (more experts change per
-update), response length, depth, number of experts and top-k, router sharpness (the routers' weights scaled after the warm start), and a bf16
-sampler against an fp32 trainer (rollout-vs-trainer mismatch, which replay of the rollout routes removes).
+update), response length, depth, number of experts and top-k, router sharpness (the routers' weights scaled after
+the warm start), and a bf16 sampler against an fp32 trainer (rollout-vs-trainer mismatch, which replay of the
+rollout routes removes).
 
 How it differs from the paper: the tiny Qwen3-MoE of compare.py (4 layers, 16 experts, top-2) on 3-digit addition,
 16 prompts x 8 answers per step, a short horizon (80 steps), 3 seeds per arm; no knob was tuned to make a picture.
