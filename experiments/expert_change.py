@@ -11,6 +11,7 @@ weight by about lr, so updates 1..N are reported separately (the paper's runs ar
 
     python experiments/expert_change.py --preset quick   # 3 variants x 2 learning rates, a few minutes
     python experiments/expert_change.py --preset full    # the README's table, 3 seeds (about 15 minutes on 2 CPU cores)
+    python experiments/expert_change.py --replot         # redraw the table and figures from the committed CSV
 
 Writes experiments/results/expert_change.csv (tidy: variant, layers, experts, top_k, seed, lr, update, layer,
 fraction), expert_change_summary.csv (per variant and lr: first update and later updates, mean and sd over seeds, %)
@@ -110,14 +111,8 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=list(PRESETS), default="full")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
-    args = ap.parse_args()
-    p = PRESETS[args.preset]
-    args.out.mkdir(parents=True, exist_ok=True)
-    cache = Path("runs/expert_change")
+def measure(p: dict, cache: Path) -> pd.DataFrame:
+    """Warm-start each variant per seed and measure the per-layer change of each update at each learning rate."""
     rows = []
     for layers, experts, top_k in p["variants"]:
         for seed in p["seeds"]:
@@ -146,41 +141,62 @@ def main() -> None:
                     f"L{layers:2d} E{experts:2d} k{top_k} seed {seed}  lr {lr:g}: "
                     + "  ".join(f"{f:.2%}" for f in overall)
                 )
-    frame = pd.DataFrame(rows)
-    frame.to_csv(args.out / "expert_change.csv", index=False)
+    return pd.DataFrame(rows)
+
+
+def report(frame: pd.DataFrame, out: Path) -> None:
+    """Write the summary table and the two figures."""
+    seeds = frame.seed.nunique()
+    lrs = sorted(frame.lr.unique())
+    updates = frame["update"].max()
 
     table = summary(frame)
-    table.to_csv(args.out / "expert_change_summary.csv", index=False)
+    table.to_csv(out / "expert_change_summary.csv", index=False)
     print(table.to_string(index=False, formatters={"lr": "{:g}".format}, float_format=lambda v: f"{v:.2f}"))
-    fig = Figure(figsize=(7.5, 4), layout="constrained")
-    ax = fig.subplots()
-    for variant, part in table.groupby("variant", sort=False):
-        (line,) = ax.plot(part.lr, part.first_mean, marker="o", label=f"{variant}, update 1")
-        ax.fill_between(part.lr, part.first_mean - part.first_sd, part.first_mean + part.first_sd, alpha=0.15)
-        if part.later_mean.notna().any():
-            ax.plot(part.lr, part.later_mean, marker="x", ls="--", color=line.get_color(), label=f"{variant}, later")
-    ax.axhline(10, color="k", lw=1, ls=":", label="GSPO paper: ~10% (Qwen3-30B-A3B)")
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate (Adam)")
-    ax.set_ylabel("routed experts changed by one update (%)")
-    ax.set_title(
-        f"Expert change after one GRPO update, tiny MoE on 3-digit addition (mean ± sd, {len(p['seeds'])} seed(s))"
-    )
-    ax.legend(fontsize="x-small", ncol=2)
-    fig.savefig(args.out / "expert_change_lr.png", dpi=120)
+    fig = Figure(figsize=(11, 4.4), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    panels = [("first", "first update"), ("later", "later updates (mean of 2..N)")]
+    for ax, (col, which) in zip(axes, panels, strict=True):
+        for variant, part in table.groupby("variant", sort=False):
+            mean, sd = part[f"{col}_mean"], part[f"{col}_sd"]
+            (line,) = ax.plot(part.lr, mean, marker="o", label=variant)
+            ax.fill_between(part.lr, mean - sd, mean + sd, alpha=0.1, color=line.get_color())
+        ax.axhline(10, color="k", lw=1, ls=":", label="GSPO paper: ~10%")
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate (Adam)")
+        ax.set_title(which)
+    axes[0].set_ylabel("routed experts changed by one update (%)")
+    axes[0].legend(fontsize="small", ncol=2)
+    fig.suptitle(f"Expert change after one GRPO update, tiny MoE, 3-digit addition (mean ± sd over {seeds} seeds)")
+    fig.savefig(out / "expert_change_lr.png", dpi=120)
 
-    lr = p["lrs"][len(p["lrs"]) // 2]
+    lr = lrs[len(lrs) // 2]
     fig = Figure(figsize=(6.4, 3.8), layout="constrained")
     ax = fig.subplots()
     for variant, part in frame[(frame.lr == lr) & (frame.experts == 16) & (frame.top_k == 2)].groupby("variant"):
         curve = part.groupby("layer").fraction.mean() * 100
-        ax.plot(curve.index, curve.values, marker="o", label=f"{variant} (mean of {p['updates']} updates, seeds)")
+        ax.plot(curve.index, curve.values, marker="o", label=f"{variant} (mean of {updates} updates, seeds)")
     ax.set_xlabel("MoE layer index")
     ax.set_ylabel("routed experts changed (%)")
     ax.set_title(f"Expert change per layer, lr {lr:g}, by depth")
     ax.legend(fontsize="small")
-    fig.savefig(args.out / "expert_change_layers.png", dpi=120)
-    print(f"wrote {args.out}/expert_change.csv and two figures")
+    fig.savefig(out / "expert_change_layers.png", dpi=120)
+    print(f"wrote {out}/expert_change.csv and two figures")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=list(PRESETS), default="full")
+    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
+    ap.add_argument("--replot", action="store_true", help="redraw the table and figures from <out>/expert_change.csv")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        frame = pd.read_csv(args.out / "expert_change.csv")
+    else:
+        frame = measure(PRESETS[args.preset], Path("runs/expert_change"))
+        frame.to_csv(args.out / "expert_change.csv", index=False)
+    report(frame, args.out)
 
 
 if __name__ == "__main__":
