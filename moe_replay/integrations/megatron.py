@@ -44,6 +44,18 @@ from torch import nn
 from ..hooks.hub import ReplayError
 from ..hooks.replay import _match_layers
 from ..routes import LayerInfo, Routes, index_dtype
+from .megatron_rows import routes_to_rows, rows_to_routes
+
+__all__ = [
+    "MegatronRouteRecorder",
+    "MegatronRouteReplayer",
+    "find_routers",
+    "is_megatron_model",
+    "record_routes",
+    "replay_routes",
+    "routes_to_rows",
+    "rows_to_routes",
+]
 
 INSTALL_HINT = "pip install 'moe-replay[megatron]' (megatron-core >= 0.16)"
 _ACTIVE = "_moe_replay_megatron_context"
@@ -84,8 +96,8 @@ class _Site:
     router: nn.Module
     info: LayerInfo
     saved: tuple = ()
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # forwards awaiting recompute
-    mask: torch.Tensor | None = None  # [S_local * B] bool for the current call (False: route live)
+    pending: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # awaiting recompute
+    mask: torch.Tensor | None = None  # [S_local * B] bool for the current call (False: route live; None: all)
     used: bool = False
 
 
@@ -140,51 +152,6 @@ def find_routers(model: nn.Module) -> list[_Site]:
     if not sites:
         raise ValueError(f"{type(model).__name__} has no megatron-core MoE router (TopKRouter): nothing to record")
     return sites
-
-
-def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequence[LayerInfo]) -> Routes:
-    """Megatron's per-layer top-k rows (each [S·B, K], row `s * B + b`) as `Routes` [B, S, L, K], all recorded.
-
-    Example:
-        >>> rows = [torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])]  # S=2, B=2, K=2: rows s0b0, s0b1, s1b0, s1b1
-        >>> routes = rows_to_routes(rows, batch_size=2, layers=[LayerInfo("layer0", 4, 2)])
-        >>> routes.indices[1, 0, 0].tolist()  # sequence 1, position 0
-        [2, 3]
-    """
-    if len(rows) != len(layers):
-        raise ValueError(f"got {len(rows)} row tensors for {len(layers)} layers")
-    shapes = {tuple(r.shape) for r in rows}
-    if len(shapes) != 1:
-        raise ValueError(f"all layers must have the same [S*B, K] rows, got shapes {sorted(shapes)}")
-    n, k = next(iter(shapes))
-    if batch_size < 1 or n % batch_size:
-        raise ValueError(f"{n} rows do not split into batch_size={batch_size} sequences")
-    dtype = index_dtype(max(layer.num_experts for layer in layers))
-    per_layer = [r.reshape(n // batch_size, batch_size, k).transpose(0, 1) for r in rows]  # [B, S, K] each
-    indices = torch.stack(per_layer, dim=2).to(dtype)
-    mask = torch.ones(indices.shape[:2], dtype=torch.bool, device=indices.device)
-    return Routes(indices, mask, layers)
-
-
-def routes_to_rows(routes: Routes) -> list[torch.Tensor]:
-    """`Routes` [B, T, L, K] as Megatron's per-layer int64 rows [T·B, K] (row `t * B + b`), e.g. for
-    `RouterReplay.set_replay_data`. Positions the routes did not record get distinct experts spread evenly over
-    the experts (never all the same one); `replay_routes` routes them live instead.
-
-    Example:
-        >>> rows = routes_to_rows(routes)  # doctest: +SKIP
-        >>> len(rows), rows[0].shape  # L tensors of [T*B, K]
-    """
-    B, T, L, K = routes.indices.shape
-    out = []
-    for layer, info in enumerate(routes.layers):
-        rows = routes.indices[:, :, layer].transpose(0, 1).reshape(T * B, K).long()
-        spread = (torch.arange(T * B, device=rows.device)[:, None] * K + torch.arange(K, device=rows.device)) % max(
-            info.num_experts, K
-        )
-        keep = routes.mask.transpose(0, 1).reshape(T * B, 1).to(rows.device)
-        out.append(torch.where(keep, rows, spread))
-    return out
 
 
 class _Context:
@@ -280,7 +247,7 @@ class _Context:
             site.used = True
             probs, idx = original(scores, topk, num_groups, group_topk, default_compute_topk)
             mask = site.mask
-            if mask is not None and not bool(mask.all()):  # unrecorded positions route live
+            if mask is not None:  # unrecorded positions route live
                 live_probs, live_idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
                 keep = mask.to(idx.device)[:, None]
                 probs, idx = torch.where(keep, probs, live_probs), torch.where(keep, idx, live_idx)
@@ -399,12 +366,14 @@ class MegatronRouteReplayer(_Context):
     def _prepare(self, sites: list[_Site]) -> None:
         self._rows: list[dict[str, torch.Tensor]] = []  # per Routes: router name -> [T, B, K] int64
         self._masks: list[torch.Tensor] = []  # per Routes: [T, B] bool, sequence-major like Megatron's rows
+        self._complete: list[bool] = []  # per Routes: every position recorded
         for r in self.routes if self.per_forward else [self.routes]:
             columns = self._columns(r, sites)
             T, B = r.seq_len, r.batch_size
             rows = routes_to_rows(r)  # unrecorded positions get valid ids (they route live anyway)
             self._rows.append({s.name: rows[columns[s.name]].reshape(T, B, -1) for s in sites})
             self._masks.append(r.mask.transpose(0, 1))
+            self._complete.append(bool(r.mask.all()))  # once here, not a device sync per router call
         self._consumed = False
 
     def _columns(self, r: Routes, sites: list[_Site]) -> dict[str, int]:
@@ -424,8 +393,9 @@ class MegatronRouteReplayer(_Context):
                 )
         return columns
 
-    def _call_rows(self, site: _Site, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This call's rows [S_local * B, K] and mask [S_local * B], checked against the call's shape."""
+    def _call_rows(self, site: _Site, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This call's rows [S_local * B, K] and mask [S_local * B] (None: all recorded), checked against the
+        call's shape."""
         self._check_call(site)
         n = self._forwards - 1 if self.per_forward else 0
         if n >= len(self._rows):
@@ -442,7 +412,7 @@ class MegatronRouteReplayer(_Context):
             )
         span = slice(rank * S, (rank + 1) * S)
         rows = self._rows[n][site.name][span].reshape(S * B, -1)
-        return rows, self._masks[n][span].reshape(S * B)
+        return rows, None if self._complete[n] else self._masks[n][span].reshape(S * B)
 
     def _router_pre_hook(self, site: _Site) -> Any:
         forward, backward = self._action.REPLAY_FORWARD, self._action.REPLAY_BACKWARD

@@ -1,0 +1,59 @@
+"""Megatron's top-k rows and `Routes`: per layer one int64 [s·b, K] tensor, rows sequence-major
+(`row = s_idx * b + b_idx`, the layout of a router's [s, b, h] input), against `Routes` [B, T, L, K].
+
+Example:
+    >>> from moe_replay.integrations.megatron import routes_to_rows, rows_to_routes  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..routes import LayerInfo, Routes, index_dtype
+
+
+def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequence[LayerInfo]) -> Routes:
+    """Megatron's per-layer top-k rows (each [S·B, K], row `s * B + b`) as `Routes` [B, S, L, K], all recorded.
+
+    Example:
+        >>> rows = [torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])]  # S=2, B=2, K=2: rows s0b0, s0b1, s1b0, s1b1
+        >>> routes = rows_to_routes(rows, batch_size=2, layers=[LayerInfo("layer0", 4, 2)])
+        >>> routes.indices[1, 0, 0].tolist()  # sequence 1, position 0
+        [2, 3]
+    """
+    if len(rows) != len(layers):
+        raise ValueError(f"got {len(rows)} row tensors for {len(layers)} layers")
+    shapes = {tuple(r.shape) for r in rows}
+    if len(shapes) != 1:
+        raise ValueError(f"all layers must have the same [S*B, K] rows, got shapes {sorted(shapes)}")
+    n, k = next(iter(shapes))
+    if batch_size < 1 or n % batch_size:
+        raise ValueError(f"{n} rows do not split into batch_size={batch_size} sequences")
+    dtype = index_dtype(max(layer.num_experts for layer in layers))
+    per_layer = [r.reshape(n // batch_size, batch_size, k).transpose(0, 1) for r in rows]  # [B, S, K] each
+    indices = torch.stack(per_layer, dim=2).to(dtype)
+    mask = torch.ones(indices.shape[:2], dtype=torch.bool, device=indices.device)
+    return Routes(indices, mask, layers)
+
+
+def routes_to_rows(routes: Routes) -> list[torch.Tensor]:
+    """`Routes` [B, T, L, K] as Megatron's per-layer int64 rows [T·B, K] (row `t * B + b`), e.g. for
+    `RouterReplay.set_replay_data`. Positions the routes did not record get distinct experts spread evenly over
+    the experts (never all the same one); `replay_routes` routes them live instead.
+
+    Example:
+        >>> rows = routes_to_rows(routes)  # doctest: +SKIP
+        >>> len(rows), rows[0].shape  # L tensors of [T*B, K]
+    """
+    B, T, L, K = routes.indices.shape
+    out = []
+    for layer, info in enumerate(routes.layers):
+        rows = routes.indices[:, :, layer].transpose(0, 1).reshape(T * B, K).long()
+        spread = (torch.arange(T * B, device=rows.device)[:, None] * K + torch.arange(K, device=rows.device)) % max(
+            info.num_experts, K
+        )
+        keep = routes.mask.transpose(0, 1).reshape(T * B, 1).to(rows.device)
+        out.append(torch.where(keep, rows, spread))
+    return out
