@@ -30,6 +30,7 @@ from moe_replay.analysis import plots
 from moe_replay.rl import TrainConfig, train
 
 ARMS = {"GRPO": "off", "GRPO + replay": "rollout"}
+MOVED = "routes_moved_since_rollout/last_minibatch"
 # One knob at a time from compare.py's setting (lr 1e-4, μ = 4, 3-digit addition, 4 layers, fp32 sampler).
 SETTINGS: dict[str, dict] = {
     "base": {},
@@ -87,7 +88,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """Per setting: final reward (mean of the last 20% of steps) of each arm, mean ± sd over seeds; the paired
     gap replay − no replay per seed, its mean ± sd and in how many seeds replay is ahead; the largest drop from a
     run's best reward (a collapse shows here); expert change per update, rollout/trainer mismatch, clipped tokens
-    and p99 |token log-ratio| without replay."""
+    and p99 |token log-ratio| without replay; how far the last minibatch's live routing is from the sampled one."""
     rows = []
     for name in frame.setting.unique():
         runs = frame[frame.setting == name]
@@ -122,6 +123,12 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                 "clipped_replay": runs[runs.arm == "GRPO + replay"]["clip_ratio/region_mean"].mean(),
                 "p99_log_ratio_GRPO": off["abs_log_ratio/p99"].mean(),
                 "p99_log_ratio_replay": runs[runs.arm == "GRPO + replay"]["abs_log_ratio/p99"].mean(),
+                # experts of the last minibatch's live routing that differ from the sampled ones (logged since the
+                # loop records it; NaN for runs made before)
+                "moved_since_rollout_last_GRPO": off.get(MOVED, pd.Series(dtype=float)).mean(),
+                "moved_since_rollout_last_replay": runs[runs.arm == "GRPO + replay"]
+                .get(MOVED, pd.Series(dtype=float))
+                .mean(),
             }
         )
     return pd.DataFrame(rows)

@@ -69,8 +69,13 @@ def test_every_arm_runs_and_logs(tmp_path, init, replay, level):
 def test_replay_makes_the_first_minibatch_on_policy(tmp_path, init):
     """With rollout replay in fp32 the old log-probs and the first minibatch agree: every ratio is 1."""
     out = train(config(tmp_path, init, replay="rollout", steps=1), progress=False)
-    first = pd.read_csv(out / "minibatches.csv").iloc[0]
+    minibatches = pd.read_csv(out / "minibatches.csv")
+    first = minibatches.iloc[0]
     assert first["ratio/max"] == pytest.approx(1.0, abs=1e-5) and first["ratio/min"] == pytest.approx(1.0, abs=1e-5)
+    # the model of the first minibatch routes exactly as sampled; the next one trained after an update
+    assert first["routes_moved_since_rollout"] == 0.0
+    step = pd.read_csv(out / "steps.csv").iloc[0]
+    assert step["routes_moved_since_rollout/last_minibatch"] == minibatches.iloc[-1]["routes_moved_since_rollout"]
 
 
 def test_bf16_rollout_against_fp32_trainer(tmp_path, init):

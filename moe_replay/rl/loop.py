@@ -169,6 +169,8 @@ class Run:
             self.opt.zero_grad(set_to_none=True)
             mb = {"step": self.step + 1, "minibatch": j, "loss": loss.item(), "grad_norm": float(grad_norm), **metrics}
             if live is not None:
+                # how far the live routing of the model this minibatch trained has moved from the sampled routes
+                mb["routes_moved_since_rollout"] = expert_change(rollout_routes, live).fraction
                 after = teacher_forced_routes(model, seq)
                 mb["expert_change"] = expert_change(live, after).fraction
                 live = after
@@ -177,6 +179,8 @@ class Run:
             if key not in ("step", "minibatch"):
                 row[key] = sum(r[key] for r in mb_rows) / len(mb_rows)
         row["clip_ratio/region_first_minibatch"] = mb_rows[0]["clip_ratio/region_mean"]
+        if live is not None:
+            row["routes_moved_since_rollout/last_minibatch"] = mb_rows[-1]["routes_moved_since_rollout"]
         row["seconds"] = time.perf_counter() - t0
         row["seconds_rollout"] = t_rollout
         self.step += 1
