@@ -84,6 +84,12 @@ def run_all(names: list[str], preset: str, runs: Path, progress: bool) -> pd.Dat
     return pd.concat(frames, ignore_index=True)
 
 
+def smoothed_reward(frame: pd.DataFrame) -> pd.Series:
+    """The reward as a 5-step running mean within each run (setting, arm, seed)."""
+    keys = [k for k in ("setting", "arm", "seed") if k in frame.columns]
+    return frame.groupby(keys).reward_mean.transform(lambda r: r.rolling(5, min_periods=1).mean())
+
+
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """Per setting: final reward (mean of the last 20% of steps) of each arm, mean ± sd over seeds; the paired
     gap replay − no replay per seed, its mean ± sd and in how many seeds replay is ahead; the largest drop from a
@@ -95,15 +101,14 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         tail = runs[runs.step > runs.step.max() * 0.8]
         final = tail.groupby(["arm", "seed"]).reward_mean.mean().unstack("arm")
         gap = final["GRPO + replay"] - final["GRPO"]
-        smooth = runs.groupby(["arm", "seed"]).reward_mean.transform(lambda r: r.rolling(5, min_periods=1).mean())
         drop = (
-            runs.assign(smooth=smooth)
+            runs.assign(smooth=smoothed_reward(runs))
             .groupby(["arm", "seed"])
             .smooth.agg(lambda r: r.max() - r.iloc[-1])
             .groupby("arm")
             .max()
         )
-        off = runs[runs.arm == "GRPO"]
+        off, rep = runs[runs.arm == "GRPO"], runs[runs.arm == "GRPO + replay"]
         rows.append(
             {
                 "setting": name,
@@ -120,15 +125,13 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                 "expert_change_per_update": off.expert_change.mean(),
                 "mismatch": off["mismatch/fraction"].mean(),
                 "clipped_GRPO": off["clip_ratio/region_mean"].mean(),
-                "clipped_replay": runs[runs.arm == "GRPO + replay"]["clip_ratio/region_mean"].mean(),
+                "clipped_replay": rep["clip_ratio/region_mean"].mean(),
                 "p99_log_ratio_GRPO": off["abs_log_ratio/p99"].mean(),
-                "p99_log_ratio_replay": runs[runs.arm == "GRPO + replay"]["abs_log_ratio/p99"].mean(),
+                "p99_log_ratio_replay": rep["abs_log_ratio/p99"].mean(),
                 # experts of the last minibatch's live routing that differ from the sampled ones (logged since the
                 # loop records it; NaN for runs made before)
                 "moved_since_rollout_last_GRPO": off.get(MOVED, pd.Series(dtype=float)).mean(),
-                "moved_since_rollout_last_replay": runs[runs.arm == "GRPO + replay"]
-                .get(MOVED, pd.Series(dtype=float))
-                .mean(),
+                "moved_since_rollout_last_replay": rep.get(MOVED, pd.Series(dtype=float)).mean(),
             }
         )
     return pd.DataFrame(rows)
@@ -137,9 +140,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 def figure(frame: pd.DataFrame) -> Figure:
     """Reward over steps per setting (5-step running mean per run), GRPO with and without replay, mean ± sd over
     seeds."""
-    frame = frame.assign(
-        smooth=frame.groupby(["setting", "arm", "seed"]).reward_mean.transform(lambda r: r.rolling(5, 1).mean())
-    )
+    frame = frame.assign(smooth=smoothed_reward(frame))
     names = list(frame.setting.unique())
     cols = min(5, len(names))
     rows = -(-len(names) // cols)

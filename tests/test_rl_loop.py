@@ -138,17 +138,7 @@ def test_another_family_as_policy(tmp_path):
         "num_key_value_heads": 2,
         "head_dim": 8,
     }
-    cfg = TrainConfig(
-        output=str(tmp_path / "run"),
-        policy=mixtral,
-        warm_start_steps=5,
-        task_size=2,
-        steps=1,
-        prompts=4,
-        group_size=4,
-        minibatches=2,
-        replay="rollout",
-    )
+    cfg = config(tmp_path, None, policy=mixtral, warm_start_steps=5, steps=1, replay="rollout")
     out = train(cfg, progress=False)
     assert (out / "init" / "config.json").read_text().count('"mixtral"') == 1
     assert len(pd.read_csv(out / "steps.csv")) == 1
