@@ -1,66 +1,14 @@
-"""Shared fixtures: tiny MoE models built from transformers configs (offline, CPU)."""
+"""Shared fixtures (the helpers themselves live in helpers.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_qwen3_moe
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-VOCAB = 64
-PAD = 0
 
 # Tiny models: thread start-up costs more than it saves (linear-attention and mamba families run 10-40x slower on 2).
 torch.set_num_threads(1)
-
-
-def tiny_qwen3_moe(seed: int = 0, *, layers: int = 3, experts: int = 8, top_k: int = 2) -> nn.Module:
-    """A 3-layer Qwen3-MoE (layer 1 dense) with well-separated router scores."""
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        mlp_only_layers=[1] if layers > 2 else [],
-        pad_token_id=PAD,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-    return model
-
-
-def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [B, T] and attention_mask [B, T] with pads[b] left-padding positions in row b."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (batch, length), generator=g)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    for b, p in enumerate(pads):
-        ids[b, :p] = PAD
-        mask[b, :p] = 0
-    return ids, mask
-
-
-def extend_mask(mask: torch.Tensor, total: int) -> torch.Tensor:
-    """The attention mask of a prompt, extended with ones over the generated positions."""
-    return torch.cat([mask, mask.new_ones(mask.shape[0], total - mask.shape[1])], dim=1)
-
-
-def hook_count(model: nn.Module) -> int:
-    """Forward hooks, pre-hooks and patched forward/generate methods anywhere in the model."""
-    n = "generate" in model.__dict__
-    for m in model.modules():
-        n += len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__)
-    return n
 
 
 @pytest.fixture

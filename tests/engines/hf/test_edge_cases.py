@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAD, hook_count, left_padded, tiny_qwen3_moe
+from helpers import PAD, hook_count, left_padded, perturb, recorded, tiny_qwen3_moe
 from torch import nn
 
 from moe_replay import ReplayError, UnsupportedGenerationError, record_routes, replay_routes
-
-
-def recorded(model, ids, mask):
-    with record_routes(model) as rec:
-        model(ids, attention_mask=mask)
-    return rec.routes
-
-
-def perturb(model, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.3 * p.std().clamp(min=1e-3))
 
 
 def test_checkpointed_backward_outside_the_context_is_refused(qwen):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
-from conftest import PAD, extend_mask, left_padded, tiny_qwen3_moe
+from helpers import PAD, extend_mask, left_padded, tiny_qwen3_moe
 
 from moe_replay import measure_mismatch, measure_update_drift, record_routes, teacher_forced_routes
 from moe_replay.cli import main

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families import FamilyNotBuildable, build_tiny_model, discover_moe_families
+from helpers import perturb
 from transformers.utils import logging
 
 from moe_replay import UnsupportedModelError, find_routers, record_routes, replay_routes
@@ -63,14 +64,6 @@ def record(model, ids, mask, position_ids=None):
     with record_routes(model) as rec:
         logits = model(ids, attention_mask=mask, position_ids=position_ids).logits
     return rec.routes, logits
-
-
-def perturb(model, seed=7):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dtype.is_floating_point and p.numel() > 1:
-                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.5 * p.float().std().clamp(min=1e-2))
 
 
 def router_param_names(model) -> dict[str, list[str]]:
@@ -147,7 +140,7 @@ def test_replay_forces_recorded_experts_after_update(family):
     model = build(family)
     ids, mask = batch(model)
     routes, _ = record(model, ids, mask)
-    perturb(model)
+    perturb(model, scale=0.5, seed=7, min_std=1e-2)
     live, live_logits = record(model, ids, mask)
     with replay_routes(model, routes), record_routes(model) as used:
         forced_logits = model(ids, attention_mask=mask).logits
@@ -162,7 +155,7 @@ def test_router_gradients_and_checkpointing(family):
     model = build(family)
     ids, mask = batch(model)
     routes, _ = record(model, ids, mask)
-    perturb(model)
+    perturb(model, scale=0.5, seed=7, min_std=1e-2)
     model.train()
 
     def step():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import PAD, extend_mask, left_padded, tiny_qwen3_moe
+from helpers import PAD, extend_mask, left_padded, tiny_qwen3_moe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import PAD, extend_mask, left_padded, tiny_qwen3_moe
+from helpers import PAD, extend_mask, left_padded, perturb, tiny_qwen3_moe
 
 from moe_replay import Routes, record_routes, replay_routes
 
@@ -63,13 +63,6 @@ def test_replay_own_routes_is_bit_exact(qwen):
     with replay_routes(qwen, rec.routes):
         out = qwen(ids, attention_mask=mask).logits
     assert torch.equal(ref, out)
-
-
-def perturb(model, scale=0.3, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp(min=1e-3))
 
 
 def test_replay_forces_recorded_experts_after_an_update(qwen):

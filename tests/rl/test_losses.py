@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import left_padded, tiny_qwen3_moe
+from helpers import left_padded, tiny_qwen3_moe
 
 from moe_replay.rl.losses import group_advantages, policy_loss
 

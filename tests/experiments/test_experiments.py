@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.image as mpimg
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_compare_quick_preset(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PAD, hook_count, left_padded, tiny_qwen3_moe
+from helpers import PAD, hook_count, left_padded, recorded, tiny_qwen3_moe
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from moe_replay import (
@@ -16,12 +16,6 @@ from moe_replay import (
     record_routes,
     replay_routes,
 )
-
-
-def recorded(model, ids, mask):
-    with record_routes(model) as rec:
-        model(ids, attention_mask=mask)
-    return rec.routes
 
 
 def test_hook_counts_before_inside_after_and_nested(qwen):

@@ -1,0 +1,77 @@
+"""Helpers shared by the tests: tiny MoE models built from transformers configs (offline, CPU), batches, hook counts."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from moe_replay import Routes, record_routes
+
+VOCAB = 64
+PAD = 0
+
+
+def tiny_qwen3_moe(seed: int = 0, *, layers: int = 3, experts: int = 8, top_k: int = 2) -> nn.Module:
+    """A 3-layer Qwen3-MoE (layer 1 dense) with well-separated router scores."""
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        mlp_only_layers=[1] if layers > 2 else [],
+        pad_token_id=PAD,
+    )
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, T] and attention_mask [B, T] with pads[b] left-padding positions in row b."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b, p in enumerate(pads):
+        ids[b, :p] = PAD
+        mask[b, :p] = 0
+    return ids, mask
+
+
+def extend_mask(mask: torch.Tensor, total: int) -> torch.Tensor:
+    """The attention mask of a prompt, extended with ones over the generated positions."""
+    return torch.cat([mask, mask.new_ones(mask.shape[0], total - mask.shape[1])], dim=1)
+
+
+def hook_count(model: nn.Module) -> int:
+    """Forward hooks, pre-hooks and patched forward/generate methods anywhere in the model."""
+    n = "generate" in model.__dict__
+    for m in model.modules():
+        n += len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in m.__dict__)
+    return n
+
+
+def recorded(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Routes:
+    """The routes of one plain forward of `model` over `ids` [B, T] with `mask` [B, T]."""
+    with record_routes(model) as rec:
+        model(ids, attention_mask=mask)
+    return rec.routes
+
+
+def perturb(model: nn.Module, scale: float = 0.3, seed: int = 5, min_std: float = 1e-3) -> None:
+    """Add noise (scale x each weight's sd, at least `min_std`) to every floating-point weight of `model`."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype.is_floating_point and p.numel() > 1:
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale * p.float().std().clamp(min=min_std))
