@@ -9,9 +9,10 @@ Example:
 """
 
 from .analysis import ExpertChange, expert_change, measure_mismatch, measure_update_drift, teacher_forced_routes
-from .dispatch import record_routes, replay_routes
-from .hooks import ReplayError, UnsupportedGenerationError, UnsupportedModelError, find_routers
-from .routes import LayerInfo, Routes, RoutesFileError
+from .engines import record_routes, replay_routes
+from .engines.hf import find_routers
+from .errors import ReplayError, RoutesFileError, UnsupportedGenerationError, UnsupportedModelError
+from .routes import LayerInfo, Routes
 
 __version__ = "0.1.0"
 

@@ -12,14 +12,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .errors import RoutesFileError
+
 FORMAT_NAME = "moe-replay.routes"
 FORMAT_VERSION = 1
 
 IndexLike = int | slice | Sequence[int] | torch.Tensor
-
-
-class RoutesFileError(ValueError):
-    """A routes file that is truncated, foreign, or of an unknown format version."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +177,7 @@ class Routes:
         for p in parts[1:]:
             if p.layers != first.layers:
                 raise ValueError(
-                    f"cannot concatenate Routes over different layers: {_layer_diff(first.layers, p.layers)}"
+                    f"cannot concatenate Routes over different layers: {layer_diff(first.layers, p.layers)}"
                 )
             if p.device != first.device:
                 raise ValueError(f"cannot concatenate Routes on {first.device} and {p.device}")
@@ -310,7 +308,7 @@ def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=1)
 
 
-def _layer_diff(a: Sequence[LayerInfo], b: Sequence[LayerInfo]) -> str:
+def layer_diff(a: Sequence[LayerInfo], b: Sequence[LayerInfo]) -> str:
     """Describe where two layer lists differ, naming both sides."""
     if len(a) != len(b):
         return f"{len(a)} layers vs {len(b)} layers"

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..hooks import record_routes
+from ..engines.hf import record_routes
 from ..routes import Routes
 from .metrics import ExpertChange, expert_change
 

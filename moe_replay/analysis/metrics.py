@@ -10,7 +10,7 @@ from functools import cached_property
 
 import torch
 
-from ..routes import Routes, _layer_diff
+from ..routes import Routes, layer_diff
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def expert_change(before: Routes, after: Routes, *, label: str = "before vs afte
             f"after has {list(after.shape)}"
         )
     if before.layer_names != after.layer_names:
-        raise ValueError(f"Routes over different layers: {_layer_diff(before.layers, after.layers)}")
+        raise ValueError(f"Routes over different layers: {layer_diff(before.layers, after.layers)}")
     if before.device != after.device:
         raise ValueError(f"before is on {before.device}, after on {after.device}: move one with .to()")
     valid = before.mask & after.mask

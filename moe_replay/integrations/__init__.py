@@ -1,5 +1,5 @@
-"""Integrations with other engines; each is imported lazily, so its dependency stays optional.
+"""Tools moe-replay plugs into (TRL's trainer, routes returned by vLLM and SGLang), one module each, imported lazily
+so that each dependency stays optional. An integration builds on the engines; an engine never imports one.
 
-Example:
-    >>> from moe_replay.integrations.megatron import record_routes, replay_routes  # doctest: +SKIP
+`moe_replay.integrations.megatron` is a shim for `moe_replay.engines.megatron`.
 """

@@ -9,6 +9,7 @@ from helpers import PAD, hook_count, left_padded, perturb, recorded, tiny_qwen3_
 from torch import nn
 
 from moe_replay import ReplayError, UnsupportedGenerationError, record_routes, replay_routes
+from moe_replay.engines.hf import router_facts
 
 
 def test_checkpointed_backward_outside_the_context_is_refused(qwen):
@@ -172,8 +173,8 @@ def test_interception_narrows_to_the_router_unless_top_k_runs_in_the_block(qwen)
     for model, expected in ((qwen, True), (build_tiny_model("dbrx"), False)):
         with record_routes(model) as rec:
             model(ids, attention_mask=mask)
-            hub = model.__dict__["_moe_replay_hub"]
-            assert hub._router_only == [expected] * len(hub.sites)
+            facts = router_facts(model)  # learned per model, per router class
+            assert [f.topk_in_router for f in facts.values()] == [expected]
             model(ids, attention_mask=mask)  # the narrowed (or not) second call records the same routes
         first, second = rec.batches
         assert first.equal(second)

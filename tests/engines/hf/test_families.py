@@ -16,7 +16,7 @@ from helpers import perturb
 from transformers.utils import logging
 
 from moe_replay import UnsupportedModelError, find_routers, record_routes, replay_routes
-from moe_replay.hooks import UNSUPPORTED
+from moe_replay.engines.hf import UNSUPPORTED
 
 logging.set_verbosity_error()
 

@@ -109,9 +109,14 @@ def test_other_layer_set_is_an_error(qwen):
     ):
         with replay_routes(deeper, routes):
             pass
-    renamed = Routes(routes.indices, routes.mask, [LayerInfo(f"x.{i}", 8, 2) for i in range(2)])
-    with pytest.raises(ReplayError, match=r"route layers without a router: \[.x.0., .x.1.\]"):
-        with replay_routes(qwen, renamed):
+    # names that match no router map by layer order only when the layer count agrees (layers.match_layers)
+    three = Routes(routes.indices[:, :, [0, 1, 1]], routes.mask, [LayerInfo(f"x.{i}", 8, 2) for i in range(3)])
+    with pytest.raises(ReplayError, match=r"route layers without a router: \[.x.0., .x.1., .x.2.\]"):
+        with replay_routes(qwen, three):
+            pass
+    half = Routes(routes.indices, routes.mask, [LayerInfo("x.0", 8, 2), LayerInfo(routes.layer_names[1], 8, 2)])
+    with pytest.raises(ReplayError, match=r"route layers without a router: \[.x.0.\]"):
+        with replay_routes(qwen, half):
             pass
     more_experts = Routes(routes.indices, routes.mask, [LayerInfo(n, 16, 2) for n in routes.layer_names])
     with pytest.raises(ReplayError, match="has E=8 experts but the routes hold E=16"):

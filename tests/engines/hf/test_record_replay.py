@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import PAD, extend_mask, left_padded, perturb, tiny_qwen3_moe
 
-from moe_replay import Routes, record_routes, replay_routes
+from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
 
 
 def generate(model, ids, mask, n=6, **kw):
@@ -178,3 +179,20 @@ def test_more_than_256_experts_use_int16_and_replay_exactly():
     assert routes.indices.dtype == torch.int16 and int(routes.indices.max()) >= 256  # ids above uint8 survive
     with replay_routes(model, routes):
         assert torch.equal(model(ids, attention_mask=mask).logits, ref)
+
+
+def test_routes_named_by_another_engine_replay_by_layer_order(qwen):
+    """Routes whose layer names match no router (another engine's) map by layer order when L, E and K agree."""
+    ids, mask = left_padded(2, 6, [0, 1])
+    with record_routes(qwen) as rec:
+        qwen(ids, attention_mask=mask)
+    routes = rec.routes
+    other = Routes(routes.indices, routes.mask, [LayerInfo(f"decoder.layers.{i}.mlp.router", 8, 2) for i in (0, 2)])
+    perturb(qwen)
+    with replay_routes(qwen, other), record_routes(qwen) as used:
+        qwen(ids, attention_mask=mask)
+    assert torch.equal(used.routes.indices[routes.mask], routes.indices[routes.mask])
+    wrong_e = Routes(routes.indices, routes.mask, [LayerInfo(f"r.{i}", 16, 2) for i in range(2)])
+    with pytest.raises(ReplayError, match="has E=8 experts but the routes hold E=16"):
+        with replay_routes(qwen, wrong_e):
+            qwen(ids, attention_mask=mask)

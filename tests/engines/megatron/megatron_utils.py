@@ -183,7 +183,7 @@ def parallel_worker(rank: int, mode: str, out_dir: str, port: int) -> None:
     from pathlib import Path
 
     from moe_replay import Routes
-    from moe_replay.integrations.megatron import record_routes, replay_routes
+    from moe_replay.engines.megatron import record_routes, replay_routes
 
     torch.set_num_threads(1)
     out = Path(out_dir)

@@ -13,7 +13,7 @@ from megatron_utils import EXPERTS, LAYERS, TOP_K, batch, megatron_cpu, perturb_
 
 import moe_replay  # noqa: E402
 from moe_replay import ReplayError, Routes, expert_change  # noqa: E402
-from moe_replay.integrations.megatron import (  # noqa: E402
+from moe_replay.engines.megatron import (  # noqa: E402
     MegatronRouteRecorder,
     find_routers,
     record_routes,
@@ -417,6 +417,25 @@ def test_routes_from_another_engine_match_by_layer_order():
     with replay_routes(model, rec.routes):
         assert torch.equal(model(tokens, pos, mask), replayed)
     assert not torch.equal(replayed, logits)  # the perturbed router still weighs the experts
+
+
+def test_megatron_routes_replay_on_a_hugging_face_model_by_layer_order():
+    """The other direction: routes recorded on megatron-core force the experts of a Hugging Face model with the same
+    number of MoE layers, E and K (layers.match_layers maps them by order; the names share nothing)."""
+    from helpers import tiny_qwen3_moe
+
+    model = tiny_gpt()
+    tokens, pos, mask, _ = batch()
+    with record_routes(model) as rec:
+        model(tokens, pos, mask)
+    hf = tiny_qwen3_moe(layers=LAYERS, experts=EXPERTS, top_k=TOP_K)
+    with moe_replay.record_routes(hf) as live:
+        hf(tokens)
+    differ = rec.routes.indices.sort(-1).values != live.routes.indices.sort(-1).values
+    assert differ.any(-1).float().mean() > 0.2  # two unrelated models route differently
+    with moe_replay.replay_routes(hf, rec.routes), moe_replay.record_routes(hf) as used:
+        hf(tokens)
+    assert torch.equal(used.routes.indices, rec.routes.indices)
 
 
 def test_routes_save_load_and_top_level_dispatch(tmp_path):

@@ -10,7 +10,7 @@ pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs
 
 from megatron_utils import batch, megatron_cpu, parallel_worker, perturb_routers, tiny_gpt  # noqa: E402
 
-from moe_replay.integrations.megatron import record_routes, replay_routes  # noqa: E402
+from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,22 +8,24 @@ owns the router (the MoE block), which covers families that take the top-k outsi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from torch import nn
 
+from ...errors import UnsupportedModelError
+
 # Router classes that cannot be replayed, with the reason. Everything else that registers router outputs is handled
 # by the generic top-k interception and tested family by family.
-UNSUPPORTED: dict[str, str] = {
-    "DogeCDMoE": (
-        "Doge routes with product keys whose logits are mixed across tokens of the batch (not causal), "
-        "so a token's experts depend on the other tokens and cannot be recorded per token"
-    ),
-}
-
-
-class UnsupportedModelError(ValueError):
-    """The model has no router moe-replay can find, or its routing family cannot be recorded or replayed."""
+UNSUPPORTED: Mapping[str, str] = MappingProxyType(
+    {
+        "DogeCDMoE": (
+            "Doge routes with product keys whose logits are mixed across tokens of the batch (not causal), "
+            "so a token's experts depend on the other tokens and cannot be recorded per token"
+        ),
+    }
+)
 
 
 @dataclass(frozen=True)

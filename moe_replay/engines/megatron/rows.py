@@ -2,7 +2,7 @@
 (`row = s_idx * b + b_idx`, the layout of a router's [s, b, h] input), against `Routes` [B, T, L, K].
 
 Example:
-    >>> from moe_replay.integrations.megatron import routes_to_rows, rows_to_routes  # doctest: +SKIP
+    >>> from moe_replay.engines.megatron import routes_to_rows, rows_to_routes  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..routes import LayerInfo, Routes, index_dtype
+from ...routes import LayerInfo, Routes, index_dtype
 
 
 def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequence[LayerInfo]) -> Routes:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..routes import LayerInfo, Routes, index_dtype
+from ...routes import LayerInfo, Routes, index_dtype
 from .hub import RouterHub
 from .steps import Step
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..routes import Routes
-from .hub import Plan, ReplayError, RouterHub
+from ...errors import ReplayError
+from ...layers import match_layers
+from ...routes import Routes
+from .call import Plan
+from .hub import RouterHub
 from .steps import Step
 
 
@@ -28,7 +31,7 @@ class RouteReplayer:
             raise RuntimeError("this replay context is already active")
         hub = RouterHub.attach(self.model, self, replay=True)
         try:
-            self._columns = _match_layers([site.name for site in hub.sites], self.routes.layer_names, self.model)
+            self._columns = match_layers([s.name for s in hub.sites], self.routes.layers, type(self.model).__name__)
         except ReplayError:
             hub.detach(self)
             raise
@@ -81,31 +84,6 @@ class RouteReplayer:
                 f"replay left recorded routes unused: layers {layers} at positions {shown} were never run "
                 f"(routes hold T={self.routes.seq_len}); forward the full sequences inside the context"
             )
-
-
-def _match_layers(names: list[str], held: list[str], model: nn.Module) -> dict[str, int]:
-    """Map each router call name of the model (`name`, `name#n` for looped runs) to its column in the routes.
-
-    Names match exactly or, for a model wrapped in another module (a PEFT model, a DDP wrapper) or recorded on an inner
-    module, by a unique dotted suffix. Every router of the model must have routes and every route layer a router.
-    """
-    base = {h: h.partition("#")[0] for h in held}
-    mapping: dict[str, str] = {}
-    for b in set(base.values()):
-        if b in names:
-            mapping[b] = b
-            continue
-        hits = [n for n in names if n.endswith("." + b) or b.endswith("." + n)]
-        if len(hits) == 1:
-            mapping[b] = hits[0]
-    missing = sorted(set(names) - set(mapping.values()))
-    unknown = sorted(set(base.values()) - set(mapping))
-    if missing or unknown or len(set(mapping.values())) != len(mapping):
-        raise ReplayError(
-            f"routes hold layers {held} but {type(model).__name__} has routers {names} "
-            f"(routers without routes: {missing}; route layers without a router: {unknown})"
-        )
-    return {mapping[base[h]] + h[len(base[h]) :]: i for i, h in enumerate(held)}
 
 
 def replay_routes(model: nn.Module, routes: Routes) -> RouteReplayer:

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from .selectors import Selector
+
 ROUTER_CLASSES = frozenset({"PhimoeTopKRouter"})
-MAX_FUNCS = {torch.max, torch.Tensor.max}
+MAX_FUNCS = frozenset({torch.max, torch.Tensor.max})
 
 
 def max_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any, bool]:
@@ -53,3 +55,50 @@ def forced_max(func: Any, args: tuple, kwargs: dict, indices: torch.Tensor, mask
     if not keepdim:
         values, idx = values.squeeze(-1), idx.squeeze(-1)
     return torch.return_types.max((values, idx))
+
+
+class SparsemixerPicks(Selector):
+    """PhiMoE's two picks by per-token `max(dim=-1)` calls (see the module docstring)."""
+
+    funcs = MAX_FUNCS
+
+    def __init__(self, call: Any) -> None:
+        super().__init__(call)
+        self.counts = [0, 0]  # keepdim calls so far, other calls so far
+        self.picks: dict[int, torch.Tensor] = {}  # pick slot -> indices [N, 1]
+        self.replaced = 0
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        x, dim, keepdim = max_args(args, kwargs)
+        call = self.call
+        n = call.step.tokens
+        if dim not in (-1, x.dim() - 1) or x.numel() != n * x.shape[-1]:
+            return func(*args, **kwargs)
+        slot, is_pick = slot_of(self.counts, keepdim, call.site.router.training)
+        plan = call.plan
+        if slot is None or (plan is not None and (slot >= plan.top_k or x.shape[-1] != plan.num_experts)):
+            return func(*args, **kwargs)
+        if plan is not None:
+            out = forced_max(func, args, kwargs, plan.indices[:, slot], plan.mask, plan.all_recorded)
+            self.replaced += is_pick
+        else:
+            out = func(*args, **kwargs)
+        if call.record and is_pick:
+            self.picks[slot] = out[1].reshape(n, 1)
+        return out
+
+    @property
+    def active(self) -> bool:
+        return bool(self.picks) or self.replaced > 0
+
+    def picked(self) -> tuple[torch.Tensor, bool] | None:
+        if not self.picks:
+            return None
+        return torch.cat([self.picks[j] for j in sorted(self.picks)], -1), False
+
+    def applied(self) -> bool:
+        return self.call.plan is not None and self.replaced >= self.call.plan.top_k
+
+    def describe(self) -> str:
+        k = self.call.plan.top_k if self.call.plan is not None else None
+        return f"{self.replaced} of its k={k} per-token max picks were replaced"

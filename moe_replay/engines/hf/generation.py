@@ -6,9 +6,7 @@ from typing import Any
 
 from torch import nn
 
-
-class UnsupportedGenerationError(ValueError):
-    """A generation mode whose routes cannot be placed on the output sequences (beam search, assisted decoding)."""
+from ...errors import UnsupportedGenerationError
 
 
 def _setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:

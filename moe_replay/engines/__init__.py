@@ -1,5 +1,8 @@
-"""The top-level `record_routes` / `replay_routes`: Hugging Face hooks, or megatron-core's RouterReplay for a
-megatron-core model."""
+"""Model runtimes whose routers moe-replay hooks: Hugging Face transformers (`hf`) and megatron-core (`megatron`).
+
+`record_routes` / `replay_routes` here (and at the top level) dispatch on the model: megatron-core's RouterReplay for a
+megatron-core model, the Hugging Face hooks for any other.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +10,14 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from . import hooks
-from .integrations import megatron
-from .routes import Routes
+from ..routes import Routes
+from . import hf, megatron
 
 
-def record_routes(model: nn.Module) -> hooks.RouteRecorder | megatron.MegatronRouteRecorder:
+def record_routes(model: nn.Module) -> hf.RouteRecorder | megatron.MegatronRouteRecorder:
     """Record the experts every router of `model` selects while the context is open; `.routes` is a `Routes`
-    [B, T, L, K]. A transformers model uses `moe_replay.hooks.record_routes` (works under `generate`), a
-    megatron-core model `moe_replay.integrations.megatron.record_routes`.
+    [B, T, L, K]. A transformers model uses `moe_replay.engines.hf.record_routes` (works under `generate`), a
+    megatron-core model `moe_replay.engines.megatron.record_routes`.
 
     Example:
         >>> with record_routes(model) as rec:  # doctest: +SKIP
@@ -24,12 +26,12 @@ def record_routes(model: nn.Module) -> hooks.RouteRecorder | megatron.MegatronRo
     """
     if megatron.is_megatron_model(model):
         return megatron.record_routes(model)
-    return hooks.record_routes(model)
+    return hf.record_routes(model)
 
 
 def replay_routes(
     model: nn.Module, routes: Routes | Sequence[Routes]
-) -> hooks.RouteReplayer | megatron.MegatronRouteReplayer:
+) -> hf.RouteReplayer | megatron.MegatronRouteReplayer:
     """Force every router of `model` to select the experts in `routes` while the context is open (forward, and
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
     `record_routes`; a list of `Routes` (one per micro-batch forward) is for megatron-core models.
@@ -41,4 +43,4 @@ def replay_routes(
     """
     if megatron.is_megatron_model(model):
         return megatron.replay_routes(model, routes)
-    return hooks.replay_routes(model, routes)
+    return hf.replay_routes(model, routes)

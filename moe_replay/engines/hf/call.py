@@ -1,0 +1,94 @@
+"""One router call: which layer and positions it is, which routes it must use, and what its selectors saw."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ...errors import ReplayError
+from .discover import RouterSite
+from .selectors import Selector
+from .steps import Step
+
+
+@dataclass
+class Plan:
+    """The routes one router call must use: `indices` [N, K] int64, `mask` [N] bool (False routes live)."""
+
+    indices: torch.Tensor
+    mask: torch.Tensor
+    num_experts: int
+    top_k: int
+    all_recorded: bool
+
+
+@dataclass
+class RouterCall:
+    """One run of one router inside a forward (or its recompute in the backward)."""
+
+    index: int  # the router's position among the model's routers
+    site: RouterSite
+    layer: str  # the router's name; `name#n` for its n-th extra call in one forward (looped layers)
+    step: Step
+    plan: Plan | None
+    record: bool
+    selectors: list[Selector] = field(default_factory=list)
+    num_experts: int | None = None  # E, read from the router's logits
+    router_out: Any = None
+    outside_router: bool = False  # an intercepted call ran in the MoE block, outside the router
+    intercepting: bool = False
+
+    @property
+    def active(self) -> bool:
+        """Whether any selector saw this call select its experts."""
+        return any(s.active for s in self.selectors)
+
+    def check_replayed(self) -> None:
+        """Raise `ReplayError` unless the plan decided the call's experts (a replay is never a silent no-op)."""
+        plan = self.plan
+        if plan is None:
+            return
+        if self.num_experts is not None and self.num_experts != plan.num_experts:
+            raise ReplayError(
+                f"router {self.layer!r} has E={self.num_experts} experts but the routes hold "
+                f"E={plan.num_experts} for it"
+            )
+        if not any(s.applied() for s in self.selectors):
+            seen = "; ".join(d for d in (s.describe() for s in self.selectors) if d)
+            raise ReplayError(
+                f"replay could not be applied at {self.layer!r} ({type(self.site.router).__name__}): the routes hold "
+                f"k={plan.top_k} of E={plan.num_experts} experts for each of the forward's {self.step.tokens} "
+                f"tokens, but {seen}"
+            )
+
+    def selected(self) -> tuple[torch.Tensor, bool]:
+        """(the experts the call selected, with last dim K; whether that tensor is the router's own top-k output)."""
+        for selector in self.selectors:
+            found = selector.picked()
+            if found is not None:
+                return found
+        seen = "; ".join(d for d in (s.describe() for s in self.selectors) if d)
+        raise ReplayError(
+            f"could not record {self.layer!r} ({type(self.site.router).__name__}): no selection over its "
+            f"E={self.num_experts} scores for each of the forward's {self.step.tokens} tokens was seen ({seen})"
+        )
+
+
+class InterceptMode(TorchFunctionMode):
+    """Hands each torch function a selector of `call` intercepts to the first selector that claims it."""
+
+    def __init__(self, call: RouterCall, in_router: Callable[[], bool]) -> None:
+        super().__init__()
+        self.call, self.in_router = call, in_router
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        for selector in self.call.selectors:
+            if func in selector.funcs and selector.claims(func, args, kwargs):
+                self.call.outside_router |= not self.in_router()
+                return selector.run(func, args, kwargs)
+        return func(*args, **kwargs)

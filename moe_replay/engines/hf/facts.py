@@ -1,0 +1,51 @@
+"""What running a router class taught the hub, kept per model so that it outlives the hub.
+
+The hub is dropped when the last context on a model closes, and an RL loop opens a context per minibatch: the facts
+live on the model (not in module globals) so they are learned once per model and router class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+ATTR = "_moe_replay_router_facts"
+
+
+@dataclass
+class RouterFacts:
+    """Facts about one router class, learned from its calls (never from equal values).
+
+    - `topk_in_router`: its selecting top-k ran inside the router's own forward (not in the MoE block around it), so
+      interception can skip the block, whose experts run many ops. None until seen.
+    - `output_index`: per training mode, the position j in the router's output that *is* the selecting top-k's
+      indices tensor (None: no output is), so a recording without replay can read it and skip interception.
+    """
+
+    topk_in_router: bool | None = None
+    output_index: dict[bool, int | None] = field(default_factory=dict)
+
+
+def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
+    """The facts learned so far about the router classes of `model` (created empty on first use).
+
+    Example:
+        >>> with record_routes(model):  # doctest: +SKIP
+        ...     model(ids)
+        >>> router_facts(model)[Qwen3MoeTopKRouter].topk_in_router
+        True
+    """
+    facts = model.__dict__.get(ATTR)
+    if facts is None:
+        facts = model.__dict__[ATTR] = {}
+    return facts
+
+
+def facts_for(model: nn.Module, router: nn.Module) -> RouterFacts:
+    """The (possibly still empty) facts about `router`'s class on `model`."""
+    facts = router_facts(model)
+    found = facts.get(type(router))
+    if found is None:
+        found = facts[type(router)] = RouterFacts()
+    return found

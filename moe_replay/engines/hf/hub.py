@@ -1,0 +1,277 @@
+"""The hooks on one model, shared by every active record/replay context on it, and the router-call lifecycle.
+
+Each outermost forward of the model is a `Step` (which positions it covers). Each router call opens a `RouterCall` in
+whichever of the router and its MoE block runs first: it gets its layer name, the plan its replayer gives it (and,
+under activation checkpointing, queues that plan for the recompute in the backward), and the selectors of its router
+(selectors.py) see the call's torch functions. When the call ends the replay is checked and the selection recorded.
+
+One hub per model holds the hooks for all active contexts, so that a recording nested in a replay sees the replayed
+experts; it is stored on the model and removed with the last context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ...errors import NestedContextError, ReplayError
+from .call import InterceptMode, Plan, RouterCall
+from .discover import RouterSite, find_routers
+from .facts import facts_for
+from .generation import check_generation, eos_token_ids
+from .patch import MARKER, Patches, patched_by
+from .selectors import selectors_for
+from .steps import Step, StepTracker
+
+
+class Recorder(Protocol):
+    def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
+
+    def on_generate(self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int]) -> None: ...
+
+
+class Replayer(Protocol):
+    def plan(self, layer: str, step: Step) -> Plan: ...
+
+
+class RouterHub:
+    """Hooks on one model, shared by every active record/replay context on it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.sites: list[RouterSite] = find_routers(model)
+        self.tracker = StepTracker()
+        self.recorders: list[Recorder] = []
+        self.replayers: list[Replayer] = []
+        # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
+        self.pending: list[list[tuple[Replayer, Step, Plan]]] = [[] for _ in self.sites]
+        self.facts = [facts_for(model, s.router) for s in self.sites]
+        self.selectors = [selectors_for(s.router) for s in self.sites]
+        self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
+        self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
+        self._calls: list[RouterCall | None] = [None] * len(self.sites)
+        self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
+        self._patches = Patches(owner=self)
+        self._generating = 0
+        self._tracked: list[nn.Module] = []
+
+    # ---- lifetime ------------------------------------------------------------------------------------------
+    @classmethod
+    def attach(cls, model: nn.Module, handler: Recorder | Replayer, *, replay: bool) -> RouterHub:
+        """The model's hub (installed on first use), with `handler` added as a recorder or a replayer."""
+        hub = model.__dict__.get(MARKER)
+        if hub is None:
+            hub = cls(model)
+            for site in hub.sites:
+                other = patched_by(site.router.__dict__.get("forward"))
+                if other is not None:
+                    raise NestedContextError(
+                        f"router {site.name!r} is already hooked by a context opened on "
+                        f"{type(other.model).__name__}; open every record/replay context of a model on the same module"
+                    )
+            hub._install()
+            model.__dict__[MARKER] = hub
+        (hub.replayers if replay else hub.recorders).append(handler)
+        return hub
+
+    def detach(self, handler: Recorder | Replayer) -> None:
+        """Remove `handler`; the last one out removes every hook and the hub itself."""
+        for group in (self.recorders, self.replayers):
+            if any(h is handler for h in group):
+                group[:] = [h for h in group if h is not handler]
+        for plans in self.pending:
+            plans[:] = [p for p in plans if p[0] is not handler]
+        if not self.recorders and not self.replayers:
+            self._patches.undo()
+            self.model.__dict__.pop(MARKER, None)
+
+    def pending_for(self, handler: Replayer) -> int:
+        """Replayed router calls still waiting for their recompute in the backward."""
+        return sum(p[0] is handler for plans in self.pending for p in plans)
+
+    def _install(self) -> None:
+        self._tracked = self._tracked_modules()
+        for module in self._tracked:
+            self._patches.patch(module, "forward", self._step_wrapper)
+            if callable(getattr(module, "generate", None)):
+                self._patches.patch(module, "generate", self._generate_wrapper)
+        for i, site in enumerate(self.sites):
+            self._patches.patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
+            self._patches.patch(
+                site.router, "forward", lambda inner, i=i, s=site: self._scope_wrapper(i, inner, s.logits_index)
+            )
+
+    def _tracked_modules(self) -> list[nn.Module]:
+        """The model and every transformers model inside it that holds routers: their outermost forward is a step."""
+        from transformers import PreTrainedModel
+
+        names = [site.name for site in self.sites]
+        found = [self.model]
+        for prefix, module in self.model.named_modules():
+            if prefix and isinstance(module, PreTrainedModel) and all(n.startswith(prefix + ".") for n in names):
+                found.append(module)
+        return found
+
+    # ---- wrappers ------------------------------------------------------------------------------------------
+    def _step_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            tracker = self.tracker
+            if tracker.depth:  # an inner model called by the outer one: the same step
+                return inner(*args, **kwargs)
+            keep = any(m.training and _checkpointing(m) for m in self._tracked)
+            tracker.begin(inner, args, kwargs, keep)
+            tracker.depth += 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                tracker.depth -= 1
+                tracker.current = None
+
+        return forward
+
+    def _generate_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            if self._generating:
+                return inner(*args, **kwargs)
+            check_generation(self.model, args, kwargs)
+            first = self.tracker.stream + 1
+            self._generating += 1
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                self._generating -= 1
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            if isinstance(sequences, torch.Tensor):
+                streams = range(first, self.tracker.stream + 1)
+                for rec in self.recorders:
+                    rec.on_generate(streams, sequences, eos_token_ids(self.model, kwargs))
+            return out
+
+        return generate
+
+    def _scope_wrapper(self, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
+        """Open router call `i` in whichever of the router and its MoE block runs first, and intercept its calls.
+
+        Both are wrapped: DBRX takes the top-k in the block, outside the router; JetMoE's attention experts call the
+        router from a method other than the block's forward. The first call intercepts in the whole block; when every
+        top-k it saw ran inside the router, later calls intercept in the router alone (cheaper: the experts' ops then
+        skip the Python-level TorchFunctionMode)."""
+        is_router = logits_index is not None
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            call = self._calls[i]
+            opened = call is None
+            if opened:
+                call = self._begin(i)
+                if call is None:  # a recompute of a forward that routed live
+                    return inner(*args, **kwargs)
+                self._calls[i] = call
+            fast = call.plan is None and self._fast_record(i)
+            intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
+            self._in_router[i] += is_router
+            try:
+                if intercept:
+                    call.intercepting = True
+                    with InterceptMode(call, lambda: self._in_router[i] > 0):
+                        out = inner(*args, **kwargs)
+                else:
+                    out = inner(*args, **kwargs)
+                if is_router:
+                    call.num_experts = _num_scores(out, logits_index)
+                    call.router_out = out
+            finally:
+                self._in_router[i] -= is_router
+                if intercept:
+                    call.intercepting = False
+                if opened:
+                    self._calls[i] = None
+            if opened:
+                self._end(call)
+            return out
+
+        return forward
+
+    # ---- one router call -----------------------------------------------------------------------------------
+    def _begin(self, i: int) -> RouterCall | None:
+        """Open one router call: which layer it is, which routes it must use, whether it is recorded."""
+        site = self.sites[i]
+        if torch._C._current_graph_task_id() != -1:  # a checkpoint recompute inside the backward
+            if not self.pending[i]:
+                return None  # its forward routed live: so does the recompute
+            _, step, plan = self.pending[i].pop()  # the backward recomputes the latest forward first
+            return self._new_call(i, site.name, step, plan, record=False)
+        step = self.tracker.current
+        if step is None:
+            raise ReplayError(
+                f"router {site.name!r} ran outside a forward of {type(self.model).__name__}: call the model that was "
+                "given to record_routes / replay_routes"
+            )
+        last, n = self._occurrence[i]  # a router run again in the same forward (looped layers) is a layer of its own
+        n = n + 1 if last is step else 0
+        self._occurrence[i] = (step, n)
+        name = f"{site.name}#{n}" if n else site.name
+        plan = None
+        if self.replayers:
+            replayer = self.replayers[-1]
+            plan = replayer.plan(name, step)
+            if step.keep:
+                self.pending[i].append((replayer, step, plan))
+        return self._new_call(i, name, step, plan, record=bool(self.recorders))
+
+    def _new_call(self, i: int, name: str, step: Step, plan: Plan | None, record: bool) -> RouterCall:
+        call = RouterCall(i, self.sites[i], name, step, plan, record)
+        call.selectors = [make(call) for make in self.selectors[i]]
+        return call
+
+    def _fast_record(self, i: int) -> bool:
+        """Whether call `i` can be recorded from the router's output alone (see `RouterFacts.output_index`)."""
+        return self.router_only[i] and self.facts[i].output_index.get(self.sites[i].router.training) is not None
+
+    def _end(self, call: RouterCall) -> None:
+        """Close a router call: check its replay, learn facts about its router class, record its selection."""
+        i, router = call.index, call.site.router
+        facts = self.facts[i]
+        active = call.active
+        if call.plan is None and call.record and not active and call.router_out is not None:
+            j = facts.output_index.get(router.training)
+            if j is not None:  # recorded from the router's output: its element j is the top-k's indices
+                idx = _outputs(call.router_out)[j]
+                self._record(call, idx.reshape(call.step.batch, call.step.length, idx.shape[-1]))
+                return
+        if active and not self.router_only[i]:
+            self.router_only[i] = facts.topk_in_router = not call.outside_router
+        call.check_replayed()
+        if not call.record:
+            return
+        idx, own_output = call.selected()
+        if own_output and call.router_out is not None and router.training not in facts.output_index:
+            facts.output_index[router.training] = next(
+                (j for j, o in enumerate(_outputs(call.router_out)) if o is idx), None
+            )
+        self._record(call, idx.reshape(call.step.batch, call.step.length, idx.shape[-1]))
+
+    def _record(self, call: RouterCall, indices: torch.Tensor) -> None:
+        for rec in self.recorders:
+            rec.record(call.layer, call.step, indices, call.num_experts)
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether activation checkpointing is on (its router calls will be recomputed in the backward)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if name in dir(type(model)):
+            return bool(getattr(model, name))
+    return False
+
+
+def _outputs(output: Any) -> tuple | list:
+    """A module's output as a sequence (a single tensor becomes a 1-tuple)."""
+    return output if isinstance(output, tuple | list) else (output,)
+
+
+def _num_scores(output: Any, index: int) -> int:
+    """E: the last dim of the router logits, at `index` in the router's output (registered by the family)."""
+    logits = output[index] if isinstance(output, tuple | list) else output
+    return int(logits.shape[-1])

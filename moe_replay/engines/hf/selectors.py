@@ -1,0 +1,188 @@
+"""The ways a router picks its experts, one *selector* each, chosen per router when the routers are found.
+
+Inside a router call the hub sees every torch function of the router (and, until it learns better, of its MoE block)
+and hands the ones a selector intercepts to it. A selector records what the call selected and, under replay, returns
+the recorded experts instead, with values gathered from its own (live) input, so the family's weight rule runs on the
+live router scores and the router keeps its gradient. A new routing rule is one new selector and one line in
+`selectors_for`.
+
+- `TopK`: the top-k over the E scores of each token (most families);
+- `GroupTopK`: a group-limited top-k before it (DeepSeek-style `n_group` / `topk_group`), steered to keep the groups
+  of the recorded experts, or their scores would be masked to zero;
+- `SparsemixerPicks` (sparsemixer.py): PhiMoE's picks by masked `max` calls.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ...errors import ReplayError
+
+if TYPE_CHECKING:
+    from .call import Plan, RouterCall
+
+TOPK_FUNCS = frozenset({torch.topk, torch.Tensor.topk})
+
+
+class Selector:
+    """One way of picking experts, for one router call. Subclasses set `funcs` and override what they need."""
+
+    funcs: frozenset = frozenset()
+
+    def __init__(self, call: RouterCall) -> None:
+        self.call = call
+
+    def claims(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        """Whether this selector handles this intercepted call (the first selector that claims it runs it)."""
+        return True
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the call: live, or forced to the plan's experts."""
+        return func(*args, **kwargs)
+
+    @property
+    def active(self) -> bool:
+        """Whether the call selected experts through this selector."""
+        return False
+
+    def picked(self) -> tuple[torch.Tensor, bool] | None:
+        """(indices with last dim K, whether that tensor is the router's own top-k output) or None."""
+        return None
+
+    def applied(self) -> bool:
+        """Whether the replay plan decided this call's experts."""
+        return False
+
+    def describe(self) -> str:
+        """What the selector saw, for error messages."""
+        return ""
+
+
+def topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, bool]:
+    """(input, k, whether the top-k runs over the last dim) of a `topk` call."""
+    x: torch.Tensor = args[0]
+    k = int(args[1] if len(args) > 1 else kwargs["k"])
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    return x, k, dim in (-1, x.dim() - 1)
+
+
+class TopK(Selector):
+    """The top-k over the E router scores of each token: input [..., E] with N·E elements, N = tokens of the forward."""
+
+    funcs = TOPK_FUNCS
+
+    def __init__(self, call: RouterCall) -> None:
+        super().__init__(call)
+        self.seen: list[tuple[int, int, int, torch.Tensor]] = []  # (last dim, k, numel, indices)
+        self.replaced = 0
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        x, k, last = topk_args(args, kwargs)
+        call, plan = self.call, self.call.plan
+        if (
+            plan is not None
+            and last
+            and (x.shape[-1], k, x.numel())
+            == (
+                plan.num_experts,
+                plan.top_k,
+                call.step.tokens * plan.num_experts,
+            )
+        ):
+            out = forced_topk(func, args, kwargs, x, plan)
+            self.replaced += 1
+        else:
+            out = func(*args, **kwargs)
+        if last and (call.record or plan is not None):
+            self.seen.append((x.shape[-1], k, x.numel(), out[1]))
+        return out
+
+    @property
+    def active(self) -> bool:
+        return bool(self.seen)
+
+    def picked(self) -> tuple[torch.Tensor, bool] | None:
+        E, n = self.call.num_experts, self.call.step.tokens
+        found = [s for s in self.seen if s[0] == E and s[2] == E * n]
+        return (found[-1][3], True) if found else None
+
+    def applied(self) -> bool:
+        return self.replaced >= 1
+
+    def describe(self) -> str:
+        return f"the router's top-k calls were (E, k) = {[(e, k) for e, k, _, _ in self.seen]}"
+
+
+class GroupTopK(Selector):
+    """Group-limited routing under replay: the top-k over G expert groups (G divides E) keeps the groups that hold
+    the recorded experts, and fills the rest live."""
+
+    funcs = TOPK_FUNCS
+
+    def __init__(self, call: RouterCall) -> None:
+        super().__init__(call)
+        self.steered = 0
+
+    def claims(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        plan = self.call.plan
+        if plan is None:
+            return False
+        x, k, last = topk_args(args, kwargs)
+        G = x.shape[-1]
+        return (
+            last
+            and G < plan.num_experts
+            and plan.num_experts % G == 0
+            and x.numel() == self.call.step.tokens * G
+            and k <= G
+        )
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        x, k, _ = topk_args(args, kwargs)
+        plan = self.call.plan
+        assert plan is not None
+        G = x.shape[-1]
+        flat = x.reshape(-1, G)
+        groups = plan.indices.to(x.device) // (plan.num_experts // G)
+        need = torch.zeros(flat.shape, dtype=torch.bool, device=x.device).scatter_(-1, groups, True)
+        need &= plan.mask.to(x.device)[:, None]
+        if int(need.sum(-1).max()) > k:
+            raise ReplayError(
+                f"router {self.call.layer!r} keeps topk_group={k} of {G} expert groups, but the routes use "
+                f"{int(need.sum(-1).max())} groups for one token"
+            )
+        idx = torch.topk(flat.masked_fill(need, float("inf")), k, dim=-1).indices
+        idx = idx.reshape(*x.shape[:-1], k)
+        self.steered += 1
+        return torch.return_types.topk((x.gather(-1, idx), idx))
+
+    @property
+    def active(self) -> bool:
+        return self.steered > 0
+
+
+def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan) -> Any:
+    """`topk(x)` that returns the plan's experts with values gathered from `x` (live where the plan's mask is False)."""
+    shape = (*x.shape[:-1], plan.top_k)
+    idx = plan.indices.to(x.device).reshape(shape)
+    if not plan.all_recorded:
+        live = func(*args, **kwargs)[1]
+        idx = torch.where(plan.mask.to(x.device).reshape(*x.shape[:-1], 1), idx, live)
+    return torch.return_types.topk((x.gather(-1, idx), idx))
+
+
+def selectors_for(router: nn.Module) -> tuple[type[Selector], ...]:
+    """The selectors of a router, in the order they are offered each intercepted call.
+
+    Example:
+        >>> selectors_for(model.model.layers[0].mlp.gate)  # doctest: +SKIP
+        (GroupTopK, TopK)
+    """
+    from .sparsemixer import ROUTER_CLASSES, SparsemixerPicks
+
+    if type(router).__name__ in ROUTER_CLASSES:
+        return (SparsemixerPicks,)
+    return (GroupTopK, TopK)

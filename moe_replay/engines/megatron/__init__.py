@@ -1,0 +1,28 @@
+"""`record_routes` / `replay_routes` on megatron-core MoE models, through megatron-core's own `RouterReplay`.
+
+megatron-core is imported lazily (the `megatron` extra); docs/megatron.md describes what is covered and refused.
+
+Example:
+    >>> from moe_replay.engines.megatron import record_routes, replay_routes  # doctest: +SKIP
+    >>> with record_routes(gpt_model) as rec:
+    ...     gpt_model(tokens, position_ids, attention_mask)
+    >>> with replay_routes(gpt_model, rec.routes):
+    ...     gpt_model(tokens, position_ids, attention_mask, labels=labels).mean().backward()
+"""
+
+from .context import INSTALL_HINT, find_routers, is_megatron_model
+from .record import MegatronRouteRecorder, record_routes
+from .replay import MegatronRouteReplayer, replay_routes
+from .rows import routes_to_rows, rows_to_routes
+
+__all__ = [
+    "INSTALL_HINT",
+    "MegatronRouteRecorder",
+    "MegatronRouteReplayer",
+    "find_routers",
+    "is_megatron_model",
+    "record_routes",
+    "replay_routes",
+    "routes_to_rows",
+    "rows_to_routes",
+]

@@ -1,0 +1,139 @@
+"""`replay_routes` on megatron-core models: before each router call the rows for that call are handed to
+`RouterReplay` (REPLAY_FORWARD); its scores are gathered at the replayed experts, so the router keeps its gradient.
+Activation recompute runs the first forward of a checkpointed block without grad inside a forward with grad; those
+calls queue their rows, and when the backward re-runs them they switch to REPLAY_BACKWARD and take the rows of the
+forward they recompute, in order. Positions the routes mark as not recorded (padding) route live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import ReplayError
+from ...layers import match_layers
+from ...routes import Routes
+from .context import RouterReplayContext, Site, in_backward, tp_split
+from .rows import routes_to_rows
+
+
+class MegatronRouteReplayer(RouterReplayContext):
+    """Context manager returned by `replay_routes`."""
+
+    def __init__(self, model: nn.Module, routes: Routes | Sequence[Routes]) -> None:
+        self.per_forward = not isinstance(routes, Routes)
+        routes_list = list(routes) if self.per_forward else [routes]
+        bad = [type(r).__name__ for r in routes_list if not isinstance(r, Routes)]
+        if bad or not routes_list:
+            raise ValueError(
+                f"replay_routes needs a Routes or a non-empty list of Routes, got {bad or 'an empty list'}"
+            )
+        super().__init__(model)
+        self.routes = routes
+
+    def _prepare(self, sites: list[Site]) -> None:
+        self._rows: list[dict[str, torch.Tensor]] = []  # per Routes: router name -> [T, B, K] int64
+        self._masks: list[torch.Tensor] = []  # per Routes: [T, B] bool, sequence-major like Megatron's rows
+        self._complete: list[bool] = []  # per Routes: every position recorded
+        for r in self.routes if self.per_forward else [self.routes]:
+            shapes = {s.name: (s.info.num_experts, s.info.top_k) for s in sites}
+            columns = match_layers([s.name for s in sites], r.layers, type(self.model).__name__, shapes)
+            T, B = r.seq_len, r.batch_size
+            rows = routes_to_rows(r)  # unrecorded positions get valid ids (they route live anyway)
+            self._rows.append({s.name: rows[columns[s.name]].reshape(T, B, -1) for s in sites})
+            self._masks.append(r.mask.transpose(0, 1))
+            self._complete.append(bool(r.mask.all()))  # once here, not a device sync per router call
+        self._consumed = False
+
+    def _call_rows(self, site: Site, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This call's rows [S_local * B, K] and mask [S_local * B] (None: all recorded), checked against the
+        call's shape."""
+        self._check_call(site)
+        n = self._forwards - 1 if self.per_forward else 0
+        if n >= len(self._rows):
+            raise ReplayError(f"routes were given for {len(self._rows)} forwards but forward {n + 1} ran")
+        S, B = hidden.shape[:2]
+        _, size, rank = tp_split(site)
+        T, held_b = self._masks[n].shape
+        if held_b != B or S * size != T:
+            split = f" ({size} sequence-parallel slices of {S})" if size > 1 else ""
+            which = f" (forward {n + 1})" if self.per_forward else ""
+            raise ReplayError(
+                f"routes{which} hold B={held_b} sequences of T={T} positions but router {site.name!r} got a batch "
+                f"of {B} sequences of {S * size} positions{split}"
+            )
+        span = slice(rank * S, (rank + 1) * S)
+        rows = self._rows[n][site.name][span].reshape(S * B, -1)
+        return rows, None if self._complete[n] else self._masks[n][span].reshape(S * B)
+
+    def _router_pre_hook(self, site: Site) -> Any:
+        forward, backward = self._action.REPLAY_FORWARD, self._action.REPLAY_BACKWARD
+
+        def hook(module: nn.Module, args: Any) -> None:
+            rr = module.router_replay
+            site.used = False
+            if in_backward():  # activation recompute: the rows of the forward being recomputed, in order
+                if not site.pending:
+                    raise ReplayError(
+                        f"router {site.name!r} is recomputed in the backward but no replayed forward awaits it: "
+                        "run the forward inside the same `with replay_routes(...)`"
+                    )
+                if len(rr.replay_backward_list) != len(site.pending):
+                    raise ReplayError(
+                        f"router {site.name!r}: megatron's REPLAY_BACKWARD queue was changed from outside the context"
+                    )
+                rows, site.mask = site.pending.pop(0)
+                if rows.shape[0] != args[0].shape[0] * args[0].shape[1]:
+                    raise ReplayError(f"router {site.name!r}: the recompute's shape differs from its forward's")
+                rr.set_router_replay_action(backward)
+                return
+            rows, site.mask = self._call_rows(site, args[0])
+            rr.set_router_replay_action(forward)
+            rr.set_target_indices(rows)  # also queues the rows for REPLAY_BACKWARD
+            # Activation recompute runs the first forward of a checkpointed block without grad inside a forward
+            # that has it: exactly the calls the backward will re-run.
+            if self._grad_forward and not torch.is_grad_enabled():
+                site.pending.append((rows, site.mask))
+            else:  # this call is never recomputed: keep Megatron's backward queue in step with ours
+                rr.replay_backward_list.pop()
+
+        return hook
+
+    def _after_router(self, site: Site, hidden: torch.Tensor) -> None:
+        self._consumed = True
+
+    def _finish(self) -> None:
+        waiting = sum(len(s.pending) for s in self.sites)
+        if waiting:
+            raise ReplayError(
+                f"{waiting} replayed router calls still wait for their recompute: with activation recompute the "
+                "backward re-runs the routers, so call loss.backward() inside `with replay_routes(...)`"
+            )
+        if not self._consumed:
+            raise ReplayError("the routes were never replayed: no router ran inside `with replay_routes(...)`")
+
+
+def replay_routes(model: nn.Module, routes: Routes | Sequence[Routes]) -> MegatronRouteReplayer:
+    """Force every router of a megatron-core model to select the experts in `routes` (unrecorded positions route
+    live), in the forward and in the recompute of the backward; the router still gets gradients.
+
+    One `Routes` is used by every forward in the context; a list gives the n-th forward the n-th `Routes`
+    (micro-batches run forward one after another, then backward in the same order, as Megatron's schedules do).
+
+    Layers match by module path (or a dotted suffix of it); routes from another engine whose names match none of
+    the model's map by layer order when the number of layers, experts and top-k agree. A batch or sequence length
+    other than the routes' raises `ReplayError`.
+
+    Example:
+        >>> with replay_routes(gpt_model, routes):  # doctest: +SKIP
+        ...     loss = gpt_model(tokens, position_ids, attention_mask, labels=labels).mean()
+        ...     loss.backward()  # inside the context: activation recompute replays the same routes
+        >>> with replay_routes(gpt_model, [routes_mb0, routes_mb1]):  # one Routes per micro-batch forward
+        ...     losses = [gpt_model(*mb).mean() for mb in micro_batches]
+        ...     for loss in losses:
+        ...         loss.backward()
+    """
+    return MegatronRouteReplayer(model, routes)

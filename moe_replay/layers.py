@@ -1,0 +1,70 @@
+"""Which router of a model uses which layer of a `Routes`: the one matching rule shared by every engine.
+
+A router matches a routes layer by its qualified module name; failing that by a unique dotted suffix (a model wrapped
+in another module such as a PEFT or DDP wrapper, or routes recorded on an inner module); and when no layer name
+matches any router at all (routes from another engine, which names its modules differently), by layer order, provided
+the number of layers agrees and, where the engine knows them before the forward, E and K agree layer by layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from .errors import ReplayError
+from .routes import LayerInfo
+
+
+def match_layers(
+    routers: Sequence[str],
+    held: Sequence[LayerInfo],
+    owner: str,
+    shapes: Mapping[str, tuple[int, int]] | None = None,
+) -> dict[str, int]:
+    """Map each router call name (`name`, or `name#n` for the n-th extra run of a looped layer) to its column in routes.
+
+    `routers` are the model's router names in forward order, `held` the layers of the routes, `owner` the model's
+    class name (for messages), `shapes` each router's (E, K) where known up front. Every router must get a layer and
+    every layer a router; otherwise `ReplayError` names both sides.
+
+    Example:
+        >>> held = [LayerInfo("decoder.layers.0.mlp.router", 8, 2)]
+        >>> match_layers(["model.layers.0.mlp.gate"], held, "Qwen3MoeForCausalLM")  # another engine: by order
+        {'model.layers.0.mlp.gate': 0}
+    """
+    names = list(routers)
+    held_names = [layer.name for layer in held]
+    base = {h: h.partition("#")[0] for h in held_names}
+    mapping: dict[str, str] = {}
+    for b in set(base.values()):
+        if b in names:
+            mapping[b] = b
+            continue
+        hits = [n for n in names if n.endswith("." + b) or b.endswith("." + n)]
+        if len(hits) == 1:
+            mapping[b] = hits[0]
+    if not mapping and len(held_names) == len(names) and all("#" not in h for h in held_names):
+        columns = {name: i for i, name in enumerate(names)}  # another engine's names: by layer order
+        _check_shapes(columns, held, shapes)
+        return columns
+    missing = sorted(set(names) - set(mapping.values()))
+    unknown = sorted(set(base.values()) - set(mapping))
+    if missing or unknown or len(set(mapping.values())) != len(mapping):
+        raise ReplayError(
+            f"routes hold layers {held_names} but {owner} has routers {names} "
+            f"(routers without routes: {missing}; route layers without a router: {unknown})"
+        )
+    columns = {mapping[base[h]] + h[len(base[h]) :]: i for i, h in enumerate(held_names)}
+    _check_shapes(columns, held, shapes)
+    return columns
+
+
+def _check_shapes(
+    columns: Mapping[str, int], held: Sequence[LayerInfo], shapes: Mapping[str, tuple[int, int]] | None
+) -> None:
+    for name, (E, K) in (shapes or {}).items():
+        layer = held[columns[name]]
+        if (layer.num_experts, layer.top_k) != (E, K):
+            raise ReplayError(
+                f"routes layer {layer.name!r} has E={layer.num_experts}, K={layer.top_k} but router {name!r} has "
+                f"E={E}, K={K}"
+            )
