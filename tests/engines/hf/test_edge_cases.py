@@ -178,3 +178,18 @@ def test_interception_narrows_to_the_router_unless_top_k_runs_in_the_block(qwen)
             model(ids, attention_mask=mask)  # the narrowed (or not) second call records the same routes
         first, second = rec.batches
         assert first.equal(second)
+
+
+def test_router_facts_live_on_the_model_and_outlive_the_hub(qwen):
+    """What the hub learns about a router class is kept per model (not in module globals) and survives the hub,
+    which is dropped when the last context closes."""
+    ids, mask = left_padded(2, 5, [0, 1])
+    assert router_facts(qwen) == {}
+    first = recorded(qwen, ids, mask)
+    (facts,) = router_facts(qwen).values()
+    assert facts.topk_in_router is True and facts.output_index == {False: 2}  # eval: output 2 is the top-k's indices
+    assert "_moe_replay_hub" not in qwen.__dict__
+    assert recorded(qwen, ids, mask).equal(first)  # the next context starts from the facts (reads output 2)
+    other = tiny_qwen3_moe()
+    assert router_facts(other) == {}  # another model of the same classes learns its own
+    assert recorded(other, ids, mask).equal(first)
