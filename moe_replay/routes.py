@@ -5,17 +5,12 @@ Shape legend: B sequences, T token positions, L MoE layers, E experts, K top-k.
 
 from __future__ import annotations
 
-import json
+import operator
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-
-from .errors import RoutesFileError
-
-FORMAT_NAME = "moe-replay.routes"
-FORMAT_VERSION = 1
 
 IndexLike = int | slice | Sequence[int] | torch.Tensor
 
@@ -76,28 +71,7 @@ class Routes:
     """
 
     def __init__(self, indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[LayerInfo]) -> None:
-        layers = tuple(layers)
-        if not all(isinstance(layer, LayerInfo) for layer in layers):
-            raise ValueError(f"layers must be LayerInfo objects, got {[type(x).__name__ for x in layers]}")
-        if not isinstance(indices, torch.Tensor) or indices.dim() != 4:
-            got = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
-            raise ValueError(f"indices must be a [B, T, L, K] tensor, got {got}")
-        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
-            raise ValueError(f"indices must have an integer dtype, got {indices.dtype}")
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise ValueError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
-        B, T, L, K = indices.shape
-        if tuple(mask.shape) != (B, T):
-            raise ValueError(f"mask shape {tuple(mask.shape)} does not match indices [B, T] = {(B, T)}")
-        if L != len(layers):
-            raise ValueError(f"indices have L={L} layers but {len(layers)} LayerInfo were given")
-        if mask.device != indices.device:
-            raise ValueError(f"mask is on {mask.device} but indices on {indices.device}")
-        for layer in layers:
-            if layer.top_k != K:
-                raise ValueError(f"layer {layer.name!r} has top_k={layer.top_k} but indices have K={K}")
-        if len({layer.name for layer in layers}) != len(layers):
-            raise ValueError("layer names must be unique")
+        layers = check_structure(indices, mask, layers)
         _check_values(indices, mask, layers)
         dtype = index_dtype(max((layer.num_experts for layer in layers), default=1))
         self.indices = indices if indices.dtype == dtype else indices.to(dtype)
@@ -148,19 +122,12 @@ class Routes:
 
     # ---- slicing and joining -------------------------------------------------------------------------------
     def __getitem__(self, idx: IndexLike) -> Routes:
-        """Select sequences (a minibatch); an int keeps the batch dim (B=1)."""
-        if not isinstance(idx, slice | int) and _is_integer_scalar(idx):
-            idx = int(idx)
-        if isinstance(idx, int):
-            if not -self.batch_size <= idx < self.batch_size:
-                raise IndexError(f"index {idx} out of range for B={self.batch_size}")
-            idx = slice(idx, idx + 1 if idx != -1 else None)
-        elif isinstance(idx, tuple):
-            raise ValueError("Routes are sliced along the batch only: routes[idx] with idx an int, slice or index list")
-        elif not isinstance(idx, slice):
-            idx = torch.as_tensor(idx, device=self.device)
-            if idx.dtype == torch.bool and idx.shape != (self.batch_size,):
-                raise ValueError(f"boolean index of shape {tuple(idx.shape)} does not match B={self.batch_size}")
+        """Select sequences (a minibatch) as tensor indexing along B would; an int keeps the batch dim (B=1).
+
+        `idx` is an int, a slice, a 1-D list, tensor or numpy array of ids, or a bool mask of length B; an empty
+        list gives an empty batch (B=0).
+        """
+        idx = _batch_index(idx, self.batch_size, self.device)
         return Routes._trusted(self.indices[idx], self.mask[idx], self.layers)
 
     @classmethod
@@ -211,57 +178,21 @@ class Routes:
         Example:
             >>> routes.save("r.safetensors"); Routes.load("r.safetensors")  # doctest: +SKIP
         """
-        from safetensors.torch import save_file
+        from .routes_io import save_routes
 
-        meta = {
-            "format": FORMAT_NAME,
-            "version": str(FORMAT_VERSION),
-            "layers": json.dumps([asdict(layer) for layer in self.layers]),
-        }
-        tensors = {"indices": self.indices.contiguous().cpu(), "mask": self.mask.contiguous().cpu()}
-        save_file(tensors, os.fspath(path), metadata=meta)
+        save_routes(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu", *, validate: bool = True) -> Routes:
-        """Read a file written by `Routes.save`; a truncated, foreign or newer-format file raises RoutesFileError.
+        """Read a file written by `Routes.save`; a truncated, foreign, newer-format or inconsistent file raises
+        RoutesFileError.
 
-        `validate=False` skips the per-entry check (ids in [0, E), no duplicates) for files you wrote yourself; the
-        header and shapes are always checked.
+        `validate=False` skips the per-entry check (ids in [0, E), no duplicates) for files you wrote yourself and
+        memory-maps the file; the header, shapes, dtypes and layers are always checked.
         """
-        from safetensors import safe_open
+        from .routes_io import load_routes
 
-        path = os.fspath(path)
-        try:
-            with safe_open(path, framework="pt", device=str(device)) as f:
-                meta = f.metadata() or {}
-                keys = set(f.keys())
-                if meta.get("format") != FORMAT_NAME:
-                    raise RoutesFileError(
-                        f"{path} is not a moe-replay routes file: header format is {meta.get('format')!r}, "
-                        f"expected {FORMAT_NAME!r}"
-                    )
-                if meta.get("version") != str(FORMAT_VERSION):
-                    raise RoutesFileError(
-                        f"{path} has routes format version {meta.get('version')!r}; this moe-replay reads "
-                        f"version {FORMAT_VERSION}"
-                    )
-                if keys != {"indices", "mask"}:
-                    raise RoutesFileError(f"{path} holds tensors {sorted(keys)}, expected ['indices', 'mask']")
-                indices, mask = f.get_tensor("indices"), f.get_tensor("mask")
-        except RoutesFileError:
-            raise
-        except FileNotFoundError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for truncated or malformed files
-            raise RoutesFileError(f"{path} could not be read as a safetensors routes file: {e}") from e
-        try:
-            layers = [LayerInfo(**d) for d in json.loads(meta["layers"])]
-            if validate:
-                return cls(indices, mask, layers)
-            cls(indices[:0], mask[:0], layers)  # shapes, dtypes and layers only
-            return cls._trusted(indices, mask, tuple(layers))
-        except (ValueError, TypeError, KeyError) as e:
-            raise RoutesFileError(f"{path}: inconsistent routes file: {e}") from e
+        return load_routes(cls, path, device, validate=validate)
 
     @classmethod
     def _trusted(cls, indices: torch.Tensor, mask: torch.Tensor, layers: tuple[LayerInfo, ...]) -> Routes:
@@ -271,9 +202,38 @@ class Routes:
         return obj
 
 
+def check_structure(indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[LayerInfo]) -> tuple[LayerInfo, ...]:
+    """Shapes, dtypes, devices and layers of a would-be `Routes` (no per-id check); raise naming both sides."""
+    layers = tuple(layers)
+    if not all(isinstance(layer, LayerInfo) for layer in layers):
+        raise ValueError(f"layers must be LayerInfo objects, got {[type(x).__name__ for x in layers]}")
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 4:
+        got = tuple(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"indices must be a [B, T, L, K] tensor, got {got}")
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise ValueError(f"indices must have an integer dtype, got {indices.dtype}")
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    B, T, L, K = indices.shape
+    if tuple(mask.shape) != (B, T):
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match indices [B, T] = {(B, T)}")
+    if L != len(layers):
+        raise ValueError(f"indices have L={L} layers but {len(layers)} LayerInfo were given")
+    if mask.device != indices.device:
+        raise ValueError(f"mask is on {mask.device} but indices on {indices.device}")
+    for layer in layers:
+        if layer.top_k != K:
+            raise ValueError(f"layer {layer.name!r} has top_k={layer.top_k} but indices have K={K}")
+    if len({layer.name for layer in layers}) != len(layers):
+        raise ValueError("layer names must be unique")
+    return layers
+
+
 def _check_values(indices: torch.Tensor, mask: torch.Tensor, layers: tuple[LayerInfo, ...]) -> None:
     """Expert ids in [0, E) and no duplicate expert within one (token, layer), at recorded positions."""
     L, K = indices.shape[2], indices.shape[3]
+    if indices.numel() == 0:  # nothing to check (and no reshape to [-1, 0, K] when L=0)
+        return
     rec = indices.reshape(-1, L, K) if bool(mask.all()) else indices[mask]  # [N, L, K], a view when all recorded
     if rec.numel() == 0:
         return
@@ -294,11 +254,52 @@ def _check_values(indices: torch.Tensor, mask: torch.Tensor, layers: tuple[Layer
         )
 
 
+def _batch_index(idx: object, B: int, device: torch.device) -> slice | torch.Tensor:
+    """`idx` as a slice or a 1-D long or bool tensor that selects along B, or a ValueError that says why not."""
+    if isinstance(idx, bool):  # an int to isinstance, but torch reads it as a new dim, not as sequence 0 or 1
+        raise ValueError(f"a bool is not a batch index: use an int, or a bool mask of length B={B}")
+    if isinstance(idx, tuple):
+        raise ValueError("Routes are sliced along the batch only: routes[idx] with idx an int, slice or index list")
+    if isinstance(idx, slice):
+        return idx
+    if _is_integer_scalar(idx):
+        i = operator.index(idx)
+        if not -B <= i < B:
+            raise IndexError(f"index {i} out of range for B={B}")
+        return slice(i, i + 1 if i != -1 else None)
+    try:
+        t = torch.as_tensor(idx, device=device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"cannot index Routes with {type(idx).__name__}: use an int, a slice, a 1-D list, tensor or array of "
+            f"ids, or a bool mask of length B={B}"
+        ) from e
+    if t.dtype == torch.bool:
+        if t.shape != (B,):
+            raise ValueError(f"boolean index of shape {tuple(t.shape)} does not match B={B}")
+        return t
+    if t.dim() == 1 and t.numel() == 0:  # [] and np.array([]) are float: select nothing, as tensor[[]] does
+        return t.long()
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        raise ValueError(f"a Routes index must hold integers or bools, got {t.dtype}")
+    if t.dtype == torch.uint8:  # torch would read it as a mask, which an id list of expert-sized ints is not
+        raise ValueError("a uint8 index is ambiguous (torch reads it as a mask): use .bool() for a mask or .long()")
+    if t.dim() != 1:
+        raise ValueError(f"a Routes index list must be 1-D, got shape {tuple(t.shape)}")
+    return t
+
+
 def _is_integer_scalar(x: object) -> bool:
-    """A 0-d integer tensor or a numpy integer: an index that keeps the batch dim like an int."""
+    """A 0-d integer tensor, a numpy integer or 0-d integer array: an index that keeps the batch dim like an int."""
     if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not x.dtype.is_floating_point and x.dtype != torch.bool
-    return hasattr(x, "__index__") and not isinstance(x, bool)
+        return x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)  # ints, numpy integers and 0-d integer arrays; not 1-D arrays, which __index__ refuses
+    except TypeError:
+        return False
+    return True
 
 
 def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:

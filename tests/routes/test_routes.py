@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -136,3 +139,131 @@ def test_load_without_value_validation_still_checks_shapes(tmp_path):
     r.save(tmp_path / "r.safetensors")
     fast = Routes.load(tmp_path / "r.safetensors", validate=False)
     assert torch.equal(fast.indices, r.indices) and fast.layers == r.layers
+
+
+def _save_raw(path, indices, mask, layers):
+    """A file with the routes header around any tensors, as a foreign or corrupted writer could produce."""
+    from safetensors.torch import save_file
+
+    meta = {"format": "moe-replay.routes", "version": "1", "layers": json.dumps([vars(x) for x in layers])}
+    save_file({"indices": indices, "mask": mask}, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize(
+    "indices, mask, match",
+    [
+        # B differs: the old validate=False check compared B=0 slices of both and passed
+        (torch.zeros(4, 6, 2, 2, dtype=torch.uint8), torch.ones(3, 6, dtype=torch.bool), r"\(3, 6\).*\(4, 6\)"),
+        (torch.zeros(4, 6, 2, 2, dtype=torch.uint8), torch.ones(4, 5, dtype=torch.bool), r"\(4, 5\).*\(4, 6\)"),
+        (torch.zeros(4, 6, 2, 2, dtype=torch.uint8), torch.ones(4, 6, dtype=torch.uint8), "mask must be a bool"),
+        (torch.zeros(4, 6, 2, 2), torch.ones(4, 6, dtype=torch.bool), "integer dtype, got torch.float32"),
+        (torch.zeros(4, 6, 3, 2, dtype=torch.uint8), torch.ones(4, 6, dtype=torch.bool), "L=3 layers but 2 LayerInfo"),
+        (torch.zeros(4, 6, 2, 1, dtype=torch.uint8), torch.ones(4, 6, dtype=torch.bool), "top_k=2 but .* K=1"),
+        # a 0-d tensor has no batch to slice: the old check raised a bare IndexError
+        (torch.tensor(0, dtype=torch.uint8), torch.ones(4, 6, dtype=torch.bool), r"\[B, T, L, K\] tensor, got \(\)"),
+    ],
+)
+def test_load_checks_structure_with_or_without_validation(tmp_path, validate, indices, mask, match):
+    path = tmp_path / "bad.safetensors"
+    _save_raw(path, indices, mask, make().layers)  # two layers of E=8, top_k=2
+    with pytest.raises(RoutesFileError, match=match):
+        Routes.load(path, validate=validate)
+
+
+def test_load_without_validation_narrows_dtype_only_after_checking_ids(tmp_path):
+    # int64 ids in a file for E=8 (save writes uint8): narrowing 300 to uint8 would give 44, a valid-looking id, so a
+    # file that needs narrowing has its ids checked even with validate=False
+    layers = [LayerInfo("g", 8, 2)]
+    _save_raw(tmp_path / "wide.safetensors", torch.tensor([[[[300, 1]]]]), torch.ones(1, 1, dtype=torch.bool), layers)
+    with pytest.raises(RoutesFileError, match=r"expert index 300 outside \[0, E=8\)"):
+        Routes.load(tmp_path / "wide.safetensors", validate=False)
+    _save_raw(tmp_path / "ok.safetensors", torch.tensor([[[[5, 1]]]]), torch.ones(1, 1, dtype=torch.bool), layers)
+    back = Routes.load(tmp_path / "ok.safetensors", validate=False)
+    assert back.indices.dtype == torch.uint8 and back.indices.flatten().tolist() == [5, 1]
+
+
+@pytest.mark.parametrize(
+    "empty",
+    [
+        [],  # torch.as_tensor([]) is float32: it used to raise IndexError
+        torch.tensor([], dtype=torch.long),
+        torch.tensor([]),  # what torch.tensor(ids) gives for an empty id list
+        np.array([]),  # float64, like torch's own tensor[np.array([])]
+        np.array([], dtype=np.int64),
+        slice(5, None),
+    ],
+    ids=["list", "long", "float", "numpy", "numpy-int", "slice"],
+)
+def test_empty_index_gives_empty_batch(empty):
+    r = make(B=4)
+    sub = r[empty]
+    # B=0 with T, L, K, layers and dtypes kept, as r.indices[[]] and r.mask[[]] would
+    assert sub.shape == (0, 3, 2, 2) and sub.mask.shape == (0, 3) and sub.layers == r.layers
+    assert sub.indices.dtype == torch.uint8 and sub.mask.dtype == torch.bool
+    assert len(sub) == 0 and "recorded=0 positions" in repr(sub)
+    # an empty batch still joins: cat with it is the other part
+    assert Routes.cat([sub, r]).equal(r)
+
+
+def test_empty_bool_mask_selects_from_empty_batch_only():
+    r = make(B=4)
+    empty0 = r[[]]
+    assert empty0[torch.tensor([], dtype=torch.bool)].shape == (0, 3, 2, 2)
+    assert empty0[np.array([], dtype=bool)].shape == (0, 3, 2, 2)
+    with pytest.raises(ValueError, match=r"boolean index of shape \(0,\) does not match B=4"):
+        r[torch.tensor([], dtype=torch.bool)]
+
+
+def test_index_forms_select_like_tensor_indexing():
+    r = make(B=4)
+    # each form selects the same rows of indices and mask as plain tensor indexing with the same ids
+    for idx, rows in [
+        ([-1, -4], [3, 0]),
+        (np.array([2, 0]), [2, 0]),  # numpy arrays used to fail in int(idx)
+        (np.array([True, False, False, True]), [0, 3]),
+        (torch.tensor([1, 3], dtype=torch.int32), [1, 3]),
+        (slice(None, None, 2), [0, 2]),
+        (slice(1, None, 2), [1, 3]),
+        (np.int64(-1), [3]),
+        (torch.tensor(-2), [2]),
+        (range(1, 3), [1, 2]),
+    ]:
+        sub = r[idx]
+        assert torch.equal(sub.indices, r.indices[rows]) and torch.equal(sub.mask, r.mask[rows]), idx
+
+
+@pytest.mark.parametrize(
+    "idx, match",
+    [
+        # each of these gave a Routes with no error: r[True] was r[1], r[False] was r[0], a 2-D list a 5-D Routes
+        (True, "a bool is not a batch index"),
+        (False, "a bool is not a batch index"),
+        ([[0, 1], [2, 3]], r"index list must be 1-D, got shape \(2, 2\)"),
+        # torch reads a uint8 tensor as a mask (deprecated): [3, 0, 1, 1] would select rows 0, 2, 3
+        (torch.tensor([3, 0, 1, 1], dtype=torch.uint8), "uint8 index is ambiguous"),
+        (np.array([3, 0], dtype=np.uint8), "uint8 index is ambiguous"),
+        ([0.5], "must hold integers or bools, got torch.float32"),
+        ([True, False], r"boolean index of shape \(2,\) does not match B=4"),
+        (torch.ones(4, 3, dtype=torch.bool), r"boolean index of shape \(4, 3\) does not match B=4"),
+        (torch.tensor(True), r"boolean index of shape \(\) does not match B=4"),
+        (None, "cannot index Routes with NoneType"),
+        (Ellipsis, "cannot index Routes with ellipsis"),
+        ((0, 1), "sliced along the batch only"),
+        (slice(None, None, -1), "step must be greater than zero"),
+    ],
+)
+def test_bad_index_forms_raise_value_error(idx, match):
+    with pytest.raises(ValueError, match=match):
+        make(B=4)[idx]
+
+
+def test_empty_dimensions_construct():
+    # no ids to check: B=0, T=0 or no layers (L=0) build like any other Routes (L=0 used to fail in a reshape)
+    for B, T, L in [(0, 3, 2), (2, 0, 2), (2, 3, 0)]:
+        r = Routes(
+            torch.zeros(B, T, L, 2, dtype=torch.long),
+            torch.ones(B, T, dtype=torch.bool),
+            [LayerInfo(f"l{i}", 4, 2) for i in range(L)],
+        )
+        assert r.shape == (B, T, L, 2) and r.indices.dtype == torch.uint8
