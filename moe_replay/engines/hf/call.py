@@ -33,9 +33,11 @@ class RouterCall:
     index: int  # the router's position among the model's routers
     site: RouterSite
     layer: str  # the router's name; `name#n` for its n-th extra call in one forward (looped layers)
-    step: Step
+    step: Step | None  # None: a recompute whose forward routed live
     plan: Plan | None
     record: bool
+    recompute: bool = False  # a checkpoint recompute in the backward
+    at_router: bool = False  # the router module itself has started
     selectors: list[Selector] = field(default_factory=list)
     num_experts: int | None = None  # E, read from the router's logits
     router_out: Any = None

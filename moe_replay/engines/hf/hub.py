@@ -23,6 +23,7 @@ from .discover import RouterSite, find_routers
 from .facts import facts_for
 from .generation import check_generation, eos_token_ids
 from .patch import MARKER, Patches, patched_by
+from .recompute import Pending, RecomputeQueue, fingerprint, in_backward, will_be_recomputed
 from .selectors import selectors_for
 from .steps import Step, StepTracker
 
@@ -47,7 +48,7 @@ class RouterHub:
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
-        self.pending: list[list[tuple[Replayer, Step, Plan]]] = [[] for _ in self.sites]
+        self.pending = [RecomputeQueue(s.name) for s in self.sites]
         self.facts = [facts_for(model, s.router) for s in self.sites]
         self.selectors = [selectors_for(s.router) for s in self.sites]
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
@@ -82,15 +83,15 @@ class RouterHub:
         for group in (self.recorders, self.replayers):
             if any(h is handler for h in group):
                 group[:] = [h for h in group if h is not handler]
-        for plans in self.pending:
-            plans[:] = [p for p in plans if p[0] is not handler]
+        for queue in self.pending:
+            queue.drop(handler)
         if not self.recorders and not self.replayers:
             self._patches.undo()
             self.model.__dict__.pop(MARKER, None)
 
     def pending_for(self, handler: Replayer) -> int:
         """Replayed router calls still waiting for their recompute in the backward."""
-        return sum(p[0] is handler for plans in self.pending for p in plans)
+        return sum(queue.count(handler) for queue in self.pending)
 
     def _install(self) -> None:
         self._tracked = self._tracked_modules()
@@ -121,8 +122,7 @@ class RouterHub:
             tracker = self.tracker
             if tracker.depth:  # an inner model called by the outer one: the same step
                 return inner(*args, **kwargs)
-            keep = any(m.training and _checkpointing(m) for m in self._tracked)
-            tracker.begin(inner, args, kwargs, keep)
+            tracker.begin(inner, args, kwargs)
             tracker.depth += 1
             try:
                 return inner(*args, **kwargs)
@@ -165,11 +165,11 @@ class RouterHub:
             call = self._calls[i]
             opened = call is None
             if opened:
-                call = self._begin(i)
-                if call is None:  # a recompute of a forward that routed live
-                    return inner(*args, **kwargs)
-                self._calls[i] = call
-            fast = call.plan is None and self._fast_record(i)
+                call = self._calls[i] = self._begin(i)
+            if is_router and not call.at_router:
+                call.at_router = True
+                self._at_router(call, args, kwargs)
+            fast = call.plan is None and not call.recompute and self._fast_record(i)
             intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
             self._in_router[i] += is_router
             try:
@@ -195,14 +195,11 @@ class RouterHub:
         return forward
 
     # ---- one router call -----------------------------------------------------------------------------------
-    def _begin(self, i: int) -> RouterCall | None:
+    def _begin(self, i: int) -> RouterCall:
         """Open one router call: which layer it is, which routes it must use, whether it is recorded."""
         site = self.sites[i]
-        if torch._C._current_graph_task_id() != -1:  # a checkpoint recompute inside the backward
-            if not self.pending[i]:
-                return None  # its forward routed live: so does the recompute
-            _, step, plan = self.pending[i].pop()  # the backward recomputes the latest forward first
-            return self._new_call(i, site.name, step, plan, record=False)
+        if in_backward():  # a checkpoint recompute: its plan is found when the router runs (`_at_router`)
+            return RouterCall(i, site, site.name, None, None, record=False, recompute=True)
         step = self.tracker.current
         if step is None:
             raise ReplayError(
@@ -213,18 +210,22 @@ class RouterHub:
         n = n + 1 if last is step else 0
         self._occurrence[i] = (step, n)
         name = f"{site.name}#{n}" if n else site.name
-        plan = None
-        if self.replayers:
-            replayer = self.replayers[-1]
-            plan = replayer.plan(name, step)
-            if step.keep:
-                self.pending[i].append((replayer, step, plan))
-        return self._new_call(i, name, step, plan, record=bool(self.recorders))
-
-    def _new_call(self, i: int, name: str, step: Step, plan: Plan | None, record: bool) -> RouterCall:
-        call = RouterCall(i, self.sites[i], name, step, plan, record)
+        plan = self.replayers[-1].plan(name, step) if self.replayers else None
+        call = RouterCall(i, site, name, step, plan, record=bool(self.recorders))
         call.selectors = [make(call) for make in self.selectors[i]]
         return call
+
+    def _at_router(self, call: RouterCall, args: tuple, kwargs: dict) -> None:
+        """On entering the router module (inside any checkpoint around its layer): queue a replayed call that the
+        backward will recompute, or give a recompute the plan of the forward it re-runs."""
+        queue = self.pending[call.index]
+        if call.recompute:
+            queued = queue.take(args, kwargs)
+            if queued is not None:
+                call.layer, call.step, call.plan = queued.layer, queued.step, queued.plan
+                call.selectors = [make(call) for make in self.selectors[call.index]]
+        elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
+            queue.add(Pending(self.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))
 
     def _fast_record(self, i: int) -> bool:
         """Whether call `i` can be recorded from the router's output alone (see `RouterFacts.output_index`)."""
@@ -256,14 +257,6 @@ class RouterHub:
     def _record(self, call: RouterCall, indices: torch.Tensor) -> None:
         for rec in self.recorders:
             rec.record(call.layer, call.step, indices, call.num_experts)
-
-
-def _checkpointing(model: nn.Module) -> bool:
-    """Whether activation checkpointing is on (its router calls will be recomputed in the backward)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if name in dir(type(model)):
-            return bool(getattr(model, name))
-    return False
 
 
 def _outputs(output: Any) -> tuple | list:

@@ -13,8 +13,8 @@ import torch
 class Step:
     """One top-level forward: `batch` rows at positions [start, start + length) of stream `stream`.
 
-    `real` is bool [B, length], False at padding (attention mask 0). `keep` says whether the router calls of this
-    forward will be recomputed in the backward (training with activation checkpointing and grad enabled).
+    `real` is bool [B, length], False at padding (attention mask 0). `grad` says whether grad was enabled when the
+    forward began (only then can a backward recompute its router calls).
     """
 
     stream: int
@@ -22,7 +22,7 @@ class Step:
     start: int
     length: int
     real: torch.Tensor
-    keep: bool = False
+    grad: bool = False
 
     @property
     def tokens(self) -> int:
@@ -50,7 +50,7 @@ class StepTracker:
         self.depth = 0
         self._signatures: dict[int, inspect.Signature] = {}
 
-    def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any], keep: bool) -> Step:
+    def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
         """Open the step of an outermost forward (`forward` is the module's unwrapped forward)."""
         sig = self._signatures.get(id(forward))
         if sig is None:
@@ -89,5 +89,5 @@ class StepTracker:
             real = mask[:, -t:].to(torch.bool)
         else:
             real = torch.ones(B, t, dtype=torch.bool, device=tokens.device)
-        self.current = Step(self.stream, B, start, t, real, keep=keep and torch.is_grad_enabled())
+        self.current = Step(self.stream, B, start, t, real, grad=torch.is_grad_enabled())
         return self.current
