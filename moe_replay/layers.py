@@ -1,6 +1,7 @@
 """Which router of a model uses which layer of a `Routes`: the one matching rule shared by every engine.
 
-A router matches a routes layer by its qualified module name; failing that by a unique dotted suffix (a model wrapped
+A router matches a routes layer by its qualified module name (ignoring the path segments of transparent wrappers:
+torch's checkpoint_wrapper, FSDP1, torch.compile); failing that by a unique dotted suffix (a model wrapped
 in another module such as a PEFT or DDP wrapper, or routes recorded on an inner module); and when no layer name
 matches any router at all (routes from another engine, which names its modules differently), by layer order, provided
 the number of layers agrees and, where the engine knows them before the forward, E and K agree layer by layer.
@@ -12,6 +13,19 @@ from collections.abc import Mapping, Sequence
 
 from .errors import ReplayError
 from .routes import LayerInfo
+
+# Path segments that wrappers insert without changing the model: torch's checkpoint_wrapper, FSDP1, torch.compile.
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def plain_name(name: str) -> str:
+    """`name` without the path segments of transparent wrappers (`WRAPPER_SEGMENTS`).
+
+    Example:
+        >>> plain_name("model.layers.0._checkpoint_wrapped_module.mlp.gate")
+        'model.layers.0.mlp.gate'
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 def match_layers(
@@ -34,12 +48,14 @@ def match_layers(
     names = list(routers)
     held_names = [layer.name for layer in held]
     base = {h: h.partition("#")[0] for h in held_names}
+    plain = {plain_name(n): n for n in names}
     mapping: dict[str, str] = {}
     for b in set(base.values()):
-        if b in names:
-            mapping[b] = b
+        pb = plain_name(b)
+        if pb in plain:
+            mapping[b] = plain[pb]
             continue
-        hits = [n for n in names if n.endswith("." + b) or b.endswith("." + n)]
+        hits = [n for p, n in plain.items() if p.endswith("." + pb) or pb.endswith("." + p)]
         if len(hits) == 1:
             mapping[b] = hits[0]
     if not mapping and len(held_names) == len(names) and all("#" not in h for h in held_names):

@@ -1,0 +1,175 @@
+"""Replay under activation checkpointing from any source, and recomputes that take the plan of the forward they
+re-run in any backward order (nested replays, gradient accumulation)."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+from helpers import left_padded, perturb, recorded, tiny_qwen3_moe
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import checkpoint
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer
+
+from moe_replay import ReplayError, Routes, replay_routes
+from moe_replay.layers import plain_name
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A model whose routers moved after its routes were recorded (as after an optimizer step), in train mode."""
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(3, 7, [0, 2, 0])
+    routes = recorded(model, ids, mask)
+    perturb(model)
+    return model.train(), ids, mask, routes
+
+
+def grads(model, ids, mask, routes) -> dict[str, torch.Tensor]:
+    """Gradients of one replayed forward + backward, by parameter name without wrapper segments."""
+    model.zero_grad(set_to_none=True)
+    with replay_routes(model, routes):  # no KV cache: a recompute would append to it again (as in any training)
+        model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    named = model.named_parameters()
+    return {plain_name(n).replace(".inner.", "."): p.grad.clone() for n, p in named if p.grad is not None}
+
+
+class Checkpointed(nn.Module):
+    """A user's own wrapper: `torch.utils.checkpoint.checkpoint` around a decoder layer."""
+
+    def __init__(self, layer: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = layer, reentrant
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(partial(self.inner, **kwargs), *args, use_reentrant=self.reentrant)
+
+
+def torch_wrapper(model, impl):
+    wrap = partial(checkpoint_wrapper, checkpoint_impl=impl)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, Qwen3MoeDecoderLayer)
+    )
+
+
+def own_wrapper(model, reentrant):
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = Checkpointed(layer, reentrant)
+
+
+def composable(model):
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    for layer in model.model.layers:
+        composable_checkpoint(layer)
+
+
+def hf_flag(model, reentrant):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+
+CHECKPOINTING = {
+    "checkpoint_wrapper-reentrant": partial(torch_wrapper, impl=CheckpointImpl.REENTRANT),
+    "checkpoint_wrapper-no_reentrant": partial(torch_wrapper, impl=CheckpointImpl.NO_REENTRANT),
+    "utils.checkpoint-reentrant": partial(own_wrapper, reentrant=True),
+    "utils.checkpoint-no_reentrant": partial(own_wrapper, reentrant=False),
+    "composable": composable,
+    "transformers-reentrant": partial(hf_flag, reentrant=True),
+    "transformers-no_reentrant": partial(hf_flag, reentrant=False),
+}
+
+
+@pytest.mark.parametrize("how", list(CHECKPOINTING))
+def test_any_activation_checkpointing_replays_in_the_recompute(setup, how):
+    """The recompute inside loss.backward() replays the forward's routes whoever put the checkpoint there, so the
+    gradients equal the run without checkpointing (on today's main torch's checkpoints recomputed live: 34 of 36
+    gradients differed, or torch raised CheckpointError)."""
+    model, ids, mask, routes = setup
+    expected = grads(model, ids, mask, routes)
+    wrapped = copy.deepcopy(model)
+    CHECKPOINTING[how](wrapped)
+    got = grads(wrapped, ids, mask, routes)  # wrapped names (`..._checkpoint_wrapped_module...`) match the routes'
+    assert_same_grads(got, expected)
+
+
+def summed(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grads(got, expected):
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_nested_replays_recompute_their_own_plans_in_any_backward_order(reentrant, order):
+    """Two forwards under nested replays of different routes, then both backwards: each recompute takes the plan of
+    the forward it re-runs (today's main gave the outer forward's recompute the inner plan in forward order)."""
+    model = tiny_qwen3_moe()
+    a, _ = left_padded(2, 6, [0, 0], seed=1)
+    b, _ = left_padded(2, 6, [0, 0], seed=2)
+    ones = torch.ones_like(a)
+    ra, rb = recorded(model, a, ones), recorded(model, b, ones)
+    perturb(model)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    for r, x in ((ra, a), (rb, b)):  # expected: each replayed forward + backward on its own, no checkpointing
+        with replay_routes(model, r):
+            model(x, labels=x).loss.backward()
+    expected = summed(model)
+    model.zero_grad(set_to_none=True)
+    hf_flag(model, reentrant)
+    with replay_routes(model, ra):
+        losses = [model(a, labels=a).loss]
+        with replay_routes(model, rb):
+            losses.append(model(b, labels=b).loss)
+            for k in order:
+                losses[k].backward()
+    assert_same_grads(summed(model), expected)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_accumulated_forwards_of_one_context_recompute_their_own_plans(setup, order):
+    """Gradient accumulation: two forwards of one context (the full batch, then its first 5 positions: different
+    plans), then their backwards in either order."""
+    model, ids, mask, routes = setup
+    model = copy.deepcopy(model)
+    parts = [(ids, mask), (ids[:, :5], mask[:, :5])]
+    prefix = Routes(routes.indices, routes.mask & (torch.arange(routes.seq_len) < 5), routes.layers)
+    model.zero_grad(set_to_none=True)
+    for (x, m), r in zip(parts, (routes, prefix), strict=True):
+        with replay_routes(model, r):
+            model(x, attention_mask=m, labels=x).loss.backward()
+    expected = summed(model)
+    model.zero_grad(set_to_none=True)
+    hf_flag(model, reentrant=False)
+    with replay_routes(model, routes):
+        losses = [model(x, attention_mask=m, labels=x).loss for x, m in parts]
+        for k in order:
+            losses[k].backward()
+    assert_same_grads(summed(model), expected)
+
+
+def test_a_recompute_that_matches_no_waiting_forward_is_an_error(setup):
+    """If the recompute's router input matches none of the waiting forwards (it was changed in between), replay
+    refuses rather than guess."""
+    model, ids, mask, routes = setup
+    model = copy.deepcopy(model)
+    hf_flag(model, reentrant=False)
+    with pytest.raises(ReplayError, match="cannot tell which forward it re-runs"):
+        with replay_routes(model, routes):
+            first = model(ids, attention_mask=mask, labels=ids).loss
+            second = model(ids.flip(0), attention_mask=mask.flip(0), labels=ids).loss
+            with torch.no_grad():  # the recompute of layer 0 now sees other router inputs than either forward
+                model.model.layers[0].post_attention_layernorm.weight.mul_(1.5)
+            (first + second).backward()
