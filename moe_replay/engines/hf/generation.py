@@ -39,6 +39,23 @@ def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         )
 
 
+# transformers' continuous batching packs several requests into one forward (TRL's
+# `use_transformers_continuous_batching` goes through it): routes could not be placed per request.
+PACKED_GENERATION = ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager")
+
+
+def refuse_packed(name: str, inner: Any) -> Any:
+    """A replacement for a packed-generation method that raises UnsupportedGenerationError when called."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedGenerationError(
+            f"moe-replay cannot follow continuous batching ({name}): it packs several requests into one forward, so "
+            "routes cannot be placed per sequence; use generate() inside record_routes / replay_routes"
+        )
+
+    return refuse
+
+
 def eos_token_ids(model: nn.Module, kwargs: dict[str, Any]) -> list[int]:
     """The end-of-sequence ids `generate` stops on (empty if none)."""
     eos = _setting(model, kwargs, "eos_token_id")

@@ -12,6 +12,7 @@ experts; it is stored on the model and removed with the last context.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +22,7 @@ from ...errors import NestedContextError, ReplayError
 from .call import InterceptMode, Plan, RouterCall
 from .discover import RouterSite, find_routers
 from .facts import facts_for
-from .generation import check_generation, eos_token_ids
+from .generation import PACKED_GENERATION, check_generation, eos_token_ids, refuse_packed
 from .patch import MARKER, Patches, patched_by
 from .recompute import Pending, RecomputeQueue, fingerprint, in_backward, will_be_recomputed
 from .selectors import selectors_for
@@ -31,7 +32,9 @@ from .steps import Step, StepTracker
 class Recorder(Protocol):
     def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
 
-    def on_generate(self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int]) -> None: ...
+    def on_generate(
+        self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
+    ) -> None: ...
 
 
 class Replayer(Protocol):
@@ -73,8 +76,11 @@ class RouterHub:
                         f"router {site.name!r} is already hooked by a context opened on "
                         f"{type(other.model).__name__}; open every record/replay context of a model on the same module"
                     )
-            hub._install()
-            model.__dict__[MARKER] = hub
+            try:
+                hub._install()
+            except BaseException:
+                hub._patches.undo()
+                raise
         (hub.replayers if replay else hub.recorders).append(handler)
         return hub
 
@@ -87,18 +93,21 @@ class RouterHub:
             queue.drop(handler)
         if not self.recorders and not self.replayers:
             self._patches.undo()
-            self.model.__dict__.pop(MARKER, None)
 
     def pending_for(self, handler: Replayer) -> int:
         """Replayed router calls still waiting for their recompute in the backward."""
         return sum(queue.count(handler) for queue in self.pending)
 
     def _install(self) -> None:
+        self._patches.set(self.model, MARKER, self)
         self._tracked = self._tracked_modules()
         for module in self._tracked:
             self._patches.patch(module, "forward", self._step_wrapper)
             if callable(getattr(module, "generate", None)):
                 self._patches.patch(module, "generate", self._generate_wrapper)
+            for name in PACKED_GENERATION:
+                if callable(getattr(module, name, None)):
+                    self._patches.patch(module, name, partial(refuse_packed, name))
         for i, site in enumerate(self.sites):
             self._patches.patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
             self._patches.patch(
@@ -146,8 +155,9 @@ class RouterHub:
             sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
             if isinstance(sequences, torch.Tensor):
                 streams = range(first, self.tracker.stream + 1)
+                eos, prompt_mask = eos_token_ids(self.model, kwargs), kwargs.get("attention_mask")
                 for rec in self.recorders:
-                    rec.on_generate(streams, sequences, eos_token_ids(self.model, kwargs))
+                    rec.on_generate(streams, sequences, eos, prompt_mask if torch.is_tensor(prompt_mask) else None)
             return out
 
         return generate

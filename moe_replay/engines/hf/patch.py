@@ -1,18 +1,44 @@
-"""Instance-level method replacements that undo themselves: how the hub hooks a model without touching its class."""
+"""Instance-level attributes that undo themselves: how the hub hooks a model without touching its class.
+
+Every patched module also gets an instance `__deepcopy__` that copies it with the patches suspended, so that
+`copy.deepcopy` of a model (or of a part of it) while a context is open gives a clean, independent model: no
+patched methods that still call the original, no hub.
+"""
 
 from __future__ import annotations
 
+import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-MARKER = "_moe_replay_hub"  # set on every wrapper: which hub installed it
+MARKER = "_moe_replay_hub"  # set on every wrapper (and on the hooked model): which hub installed it
+
+
+@dataclass
+class _Entry:
+    module: nn.Module
+    attr: str
+    value: Any
+    had_own: bool
+    previous: Any
+
+    def apply(self) -> None:
+        self.module.__dict__[self.attr] = self.value
+
+    def remove(self) -> None:
+        if self.had_own:
+            self.module.__dict__[self.attr] = self.previous
+        else:
+            self.module.__dict__.pop(self.attr, None)
 
 
 class Patches:
-    """Replace `module.<attr>` on the instance by a wrapper; `undo()` restores every one, in reverse order.
+    """Set attributes on module instances; `undo()` restores every one, in reverse order.
 
     Example:
         >>> patches = Patches(owner=hub)  # doctest: +SKIP
@@ -22,32 +48,48 @@ class Patches:
 
     def __init__(self, owner: object) -> None:
         self.owner = owner
-        self._undo: list[Callable[[], None]] = []
+        self._entries: list[_Entry] = []
+        self._copyable: set[int] = set()
 
     def __len__(self) -> int:
-        return len(self._undo)
+        return len(self._entries)
+
+    def set(self, module: nn.Module, attr: str, value: Any) -> None:
+        """Set `module.<attr>` to `value` on the instance until `undo`."""
+        entry = _Entry(module, attr, value, attr in module.__dict__, module.__dict__.get(attr))
+        entry.apply()
+        self._entries.append(entry)
+        if id(module) not in self._copyable:
+            self._copyable.add(id(module))
+            self.set(module, "__deepcopy__", functools.partial(self._deepcopy, module))
 
     def patch(self, module: nn.Module, attr: str, make: Callable[[Any], Any]) -> None:
         """Set `module.<attr>` to `make(current method)`, marked with the owner; restored by `undo`."""
-        had_own = attr in module.__dict__
-        previous = module.__dict__.get(attr)
         inner = getattr(module, attr)
         wrapper = functools.wraps(inner)(make(inner))
         setattr(wrapper, MARKER, self.owner)
-        module.__dict__[attr] = wrapper
-
-        def undo() -> None:
-            if had_own:
-                module.__dict__[attr] = previous
-            else:
-                module.__dict__.pop(attr, None)
-
-        self._undo.append(undo)
+        self.set(module, attr, wrapper)
 
     def undo(self) -> None:
-        """Remove every patch, last first (idempotent)."""
-        while self._undo:
-            self._undo.pop()()
+        """Remove every attribute, last first (idempotent)."""
+        while self._entries:
+            self._entries.pop().remove()
+        self._copyable.clear()
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Remove every attribute for the duration of the block, then set them again."""
+        for entry in reversed(self._entries):
+            entry.remove()
+        try:
+            yield
+        finally:
+            for entry in self._entries:
+                entry.apply()
+
+    def _deepcopy(self, module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+        with self.suspended():
+            return copy.deepcopy(module, memo)
 
 
 def patched_by(method: Any) -> object | None:

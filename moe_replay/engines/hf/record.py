@@ -21,7 +21,7 @@ class _Stream:
     steps: list[Step] = field(default_factory=list)
     per_step: list[dict[str, torch.Tensor]] = field(default_factory=list)  # [step][layer name] -> [B, t, K]
     final_len: int | None = None
-    ended: torch.Tensor | None = None  # bool [B, T_total]: at or after a row's end-of-sequence token (generate)
+    ended: torch.Tensor | None = None  # bool [B, T_total]: prompt padding, or at/after a row's EOS (generate)
 
 
 class RouteRecorder:
@@ -59,18 +59,34 @@ class RouteRecorder:
             raise ValueError(f"router {layer!r} changed from E={known} to E={num_experts}")
         stream.per_step[-1][layer] = indices.to(index_dtype(num_experts))
 
-    def on_generate(self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int]) -> None:
-        """After a `generate`: routes span `out.sequences`, and end at each row's end-of-sequence token."""
+    def on_generate(
+        self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
+    ) -> None:
+        """After a `generate`: routes span `out.sequences`, end at each row's end-of-sequence token, and are not
+        recorded where the prompt's attention mask is 0 (whatever mask the cache implementation passed the forward)."""
         for sid in streams:
             stream = self._streams.get(sid)
             if stream is None:
                 continue
             stream.final_len = sequences.shape[1]
+            # With synced_gpus a rank whose rows all finished keeps running dummy forwards (from the last token on)
+            # to stay in step with the others: they are not part of out.sequences.
+            kept = [k for k, step in enumerate(stream.steps) if k == 0 or step.start < stream.final_len - 1]
+            stream.steps = [stream.steps[k] for k in kept]
+            stream.per_step = [stream.per_step[k] for k in kept]
+            prompt = stream.steps[0].length
+            ended = torch.zeros(sequences.shape, dtype=torch.bool, device=sequences.device)
             if eos:
-                prompt = stream.steps[0].length
                 is_eos = torch.isin(sequences[:, prompt:], torch.tensor(eos, device=sequences.device))
-                ended = is_eos.cumsum(1) > 0  # the EOS token itself is fed only as padding for finished rows
-                stream.ended = torch.cat([ended.new_zeros(ended.shape[0], prompt), ended], 1)
+                ended[:, prompt:] = (
+                    is_eos.cumsum(1) > 0
+                )  # the EOS token itself is fed only as padding for finished rows
+            if prompt_mask is not None and prompt_mask.dim() == 2 and prompt_mask.shape[1] == prompt:
+                rows = sequences.shape[0] // prompt_mask.shape[0]  # num_return_sequences repeats each prompt
+                if rows * prompt_mask.shape[0] == sequences.shape[0]:
+                    pad = prompt_mask.to(sequences.device).repeat_interleave(rows, 0) == 0
+                    ended[:, :prompt] |= pad
+            stream.ended = ended
 
     # ---- results -------------------------------------------------------------------------------------------------
     @property

@@ -145,3 +145,29 @@ def test_beam_search_and_assisted_decoding_are_refused(qwen):
                 input_ids=ids, attention_mask=mask, prompt_lookup_num_tokens=2, max_new_tokens=2, pad_token_id=PAD
             )
     assert hook_count(qwen) == 0
+
+
+def test_deepcopy_inside_a_context_gives_a_clean_independent_model(qwen):
+    """A copy made while a context is open has no patched methods and no hub: it runs its own weights, and a later
+    context on it records its own routes (on today's main its forwards still called the original model)."""
+    import copy
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    with record_routes(qwen) as rec:
+        twin = copy.deepcopy(qwen)
+        inner = copy.deepcopy(qwen.model)  # a part of the model, too
+        qwen(ids, attention_mask=mask)
+    assert hook_count(twin) == 0 and hook_count(inner) == 0 and hook_count(qwen) == 0
+    assert not [k for m in (twin, inner) for k in m.__dict__ if k in ("_moe_replay_hub", "__deepcopy__")]
+    assert "__deepcopy__" not in qwen.__dict__
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert not torch.equal(twin(ids).logits, qwen(ids).logits)  # the copy runs its own (zeroed) weights
+    with record_routes(twin) as rec_twin:
+        twin(ids, attention_mask=mask)
+    assert rec_twin.routes.batch_size == 2 and len(rec.batches) == 1  # recorded by the copy's own context only
+    with record_routes(inner) as rec_inner:
+        inner(ids, attention_mask=mask)
+    got, want = rec_inner.routes, rec.routes  # the inner copy routes like the original (names lack "model.")
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.mask, want.mask)

@@ -196,3 +196,26 @@ def test_routes_named_by_another_engine_replay_by_layer_order(qwen):
     with pytest.raises(ReplayError, match="has E=8 experts but the routes hold E=16"):
         with replay_routes(qwen, wrong_e):
             qwen(ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_mask_contract_holds_for_every_cache_implementation(qwen, cache):
+    """A static cache makes transformers pass a 4-D attention mask; left padding must still be unrecorded (on
+    today's main the padding positions were marked as recorded)."""
+    ids, mask = left_padded(3, 6, [2, 0, 1])
+    torch.manual_seed(0)
+    seq, routes = generate(qwen, ids, mask, n=4, cache_implementation=cache)
+    assert torch.equal(routes.mask[:, :6], mask.bool())  # prompt padding: no route
+    assert routes.mask[:, 6:-1].all() and not routes.mask[:, -1].any()  # generated tokens but the last sampled one
+    with record_routes(qwen) as tf:
+        qwen(seq, attention_mask=extend_mask(mask, seq.shape[1]))
+    assert torch.equal(tf.routes.indices[routes.mask], routes.indices[routes.mask])
+
+
+def test_continuous_batching_is_refused_at_the_call(qwen):
+    """generate_batch packs several requests into one forward: refused when called, not recorded as B=1 batches."""
+    from moe_replay import UnsupportedGenerationError
+
+    with record_routes(qwen), pytest.raises(UnsupportedGenerationError, match="continuous batching"):
+        qwen.generate_batch([[1, 2, 3]])
+    assert "generate_batch" not in qwen.__dict__  # the refusal is scoped to the context
