@@ -1,0 +1,52 @@
+"""Models inside other tools' wrappers: PEFT LoRA (both directions) and torch.compile."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import left_padded, perturb, recorded
+
+from moe_replay import record_routes, replay_routes
+
+
+def forced(model, ids, mask, routes):
+    """The experts `model` uses under replay of `routes` (a recording nested in the replay)."""
+    with replay_routes(model, routes), record_routes(model) as used:
+        out = model(ids, attention_mask=mask)
+    return used.routes, out
+
+
+def test_peft_lora_records_and_replays_in_both_directions(qwen):
+    peft = pytest.importorskip("peft")
+    ids, mask = left_padded(2, 6, [0, 2])
+    lora = peft.get_peft_model(copy.deepcopy(qwen), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    routes_lora = recorded(lora, ids, mask)  # names `base_model.model.model.layers.0.mlp.gate`, ...
+    routes_bare = recorded(qwen, ids, mask)
+    assert torch.equal(routes_lora.indices, routes_bare.indices)  # LoRA starts as the identity
+    perturb(qwen)
+    used, _ = forced(qwen, ids, mask, routes_lora)  # PEFT routes on the bare model: matched by dotted suffix
+    assert torch.equal(used.indices[used.mask], routes_lora.indices[used.mask])
+    perturb(lora, seed=3)
+    lora.train()
+    with replay_routes(lora, routes_bare), record_routes(lora) as used:  # bare routes on the PEFT model, trained
+        lora(ids, attention_mask=mask, labels=ids).loss.backward()
+    assert torch.equal(used.routes.indices[used.routes.mask], routes_bare.indices[used.routes.mask])
+    lora_grads = [p.grad for n, p in lora.named_parameters() if "lora_" in n]
+    assert lora_grads and all(g is not None for g in lora_grads)
+
+
+def test_torch_compile_records_and_replays_exactly(qwen):
+    """torch.compile (eager backend, which runs the captured graphs as they are): routes equal the uncompiled
+    model's, and replay on the compiled model forces them bit-exactly."""
+    torch._dynamo.reset()
+    ids, mask = left_padded(2, 6, [0, 1])
+    expected = recorded(qwen, ids, mask)
+    compiled = torch.compile(qwen, backend="eager")
+    routes = recorded(compiled, ids, mask)  # names `_orig_mod.model.layers...`: same layers as the bare model's
+    assert torch.equal(routes.indices, expected.indices) and torch.equal(routes.mask, expected.mask)
+    logits = qwen(ids, attention_mask=mask).logits
+    used, out = forced(compiled, ids, mask, expected)
+    assert torch.equal(out.logits, logits) and torch.equal(used.indices, expected.indices)
+    torch._dynamo.reset()
