@@ -9,25 +9,25 @@ from torch import nn
 from ...errors import UnsupportedGenerationError
 
 
-def _setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
+def setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     return kwargs.get(name, getattr(config, name, default) if config is not None else default)
 
 
 def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise UnsupportedGenerationError for generate calls whose routes would not line up with `out.sequences`."""
-    if (_setting(model, kwargs, "num_beams", 1) or 1) > 1:
+    if (setting(model, kwargs, "num_beams", 1) or 1) > 1:
         raise UnsupportedGenerationError(
-            f"moe-replay cannot follow beam search (num_beams={_setting(model, kwargs, 'num_beams')}): beams are "
+            f"moe-replay cannot follow beam search (num_beams={setting(model, kwargs, 'num_beams')}): beams are "
             "reordered between steps, so routes would not line up with the output; sample with num_beams=1"
         )
     for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit"):
-        if _setting(model, kwargs, name) is not None:
+        if setting(model, kwargs, name) is not None:
             raise UnsupportedGenerationError(
                 f"moe-replay cannot follow assisted decoding ({name} is set): rejected draft tokens are routed too "
                 "and the cache is rolled back; generate without an assistant"
             )
-    if _setting(model, kwargs, "use_cache", True) is False:
+    if setting(model, kwargs, "use_cache", True) is False:
         raise UnsupportedGenerationError(
             "moe-replay follows generate step by step through its KV cache; use_cache=False re-runs every position "
             "at every step: generate with use_cache=True"
@@ -58,7 +58,7 @@ def refuse_packed(name: str, inner: Any) -> Any:
 
 def eos_token_ids(model: nn.Module, kwargs: dict[str, Any]) -> list[int]:
     """The end-of-sequence ids `generate` stops on (empty if none)."""
-    eos = _setting(model, kwargs, "eos_token_id")
+    eos = setting(model, kwargs, "eos_token_id")
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]

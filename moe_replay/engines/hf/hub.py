@@ -22,7 +22,7 @@ from ...errors import NestedContextError, ReplayError
 from .call import InterceptMode, Plan, RouterCall
 from .discover import RouterSite, find_routers
 from .facts import facts_for
-from .generation import PACKED_GENERATION, check_generation, eos_token_ids, refuse_packed
+from .generation import PACKED_GENERATION, check_generation, eos_token_ids, refuse_packed, setting
 from .patch import MARKER, Patches, patched_by
 from .recompute import Pending, RecomputeQueue, fingerprint, in_backward, will_be_recomputed
 from .selectors import selectors_for
@@ -38,7 +38,7 @@ class Recorder(Protocol):
 
 
 class Replayer(Protocol):
-    def plan(self, layer: str, step: Step) -> Plan: ...
+    def plan(self, layer: str, step: Step) -> Plan | None: ...
 
 
 class RouterHub:
@@ -60,6 +60,7 @@ class RouterHub:
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
         self._patches = Patches(owner=self)
         self._generating = 0
+        self._synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
         self._tracked: list[nn.Module] = []
 
     # ---- lifetime ------------------------------------------------------------------------------------------
@@ -131,7 +132,7 @@ class RouterHub:
             tracker = self.tracker
             if tracker.depth:  # an inner model called by the outer one: the same step
                 return inner(*args, **kwargs)
-            tracker.begin(inner, args, kwargs)
+            tracker.begin(inner, args, kwargs).synced = self._synced
             tracker.depth += 1
             try:
                 return inner(*args, **kwargs)
@@ -148,10 +149,12 @@ class RouterHub:
             check_generation(self.model, args, kwargs)
             first = self.tracker.stream + 1
             self._generating += 1
+            self._synced = bool(setting(self.model, kwargs, "synced_gpus", False))
             try:
                 out = inner(*args, **kwargs)
             finally:
                 self._generating -= 1
+                self._synced = False
             sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
             if isinstance(sequences, torch.Tensor):
                 streams = range(first, self.tracker.stream + 1)

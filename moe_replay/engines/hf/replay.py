@@ -54,7 +54,7 @@ class RouteReplayer:
             )
         self._check_consumed()
 
-    def plan(self, name: str, step: Step) -> Plan:
+    def plan(self, name: str, step: Step) -> Plan | None:
         r = self.routes
         layer = self._columns.get(name)
         if layer is None:
@@ -62,6 +62,8 @@ class RouteReplayer:
         if step.batch != r.batch_size:
             raise ReplayError(f"routes hold B={r.batch_size} sequences but the forward has batch {step.batch}")
         end = step.start + step.length
+        if step.synced and step.start >= r.seq_len - 1:
+            return None  # a dummy forward of a rank that finished early (generate(synced_gpus=True)): not replayed
         if end > r.seq_len:
             raise ReplayError(
                 f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"

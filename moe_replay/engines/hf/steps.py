@@ -23,6 +23,7 @@ class Step:
     length: int
     real: torch.Tensor
     grad: bool = False
+    synced: bool = False  # inside generate(synced_gpus=True)
 
     @property
     def tokens(self) -> int:

@@ -62,7 +62,25 @@ def synced_generation(rank: int) -> dict:
     seq = out.sequences
     with record_routes(model) as tf:
         model(seq, attention_mask=extend_mask(mask, seq.shape[1]))
-    return {"sequences": seq, "routes": rec.routes, "teacher_forced": tf.routes, "forwards": len(forwards)}
+    torch.manual_seed(rank)
+    with replay_routes(model, rec.routes), record_routes(model) as again:  # dummy forwards are not replayed either
+        replayed = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=6,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            synced_gpus=True,
+        )
+    return {
+        "sequences": seq,
+        "routes": rec.routes,
+        "teacher_forced": tf.routes,
+        "forwards": len(forwards),
+        "replayed_sequences": replayed,
+        "replayed_routes": again.routes,
+    }
 
 
 def data_parallel(rank: int, shard: str) -> dict:

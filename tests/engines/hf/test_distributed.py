@@ -25,6 +25,7 @@ def test_synced_gpus_dummy_forwards_are_not_recorded(ranks):
         routes, tf, seq = seen["routes"], seen["teacher_forced"], seen["sequences"]
         assert routes.seq_len == seq.shape[1] and not routes.mask[:, -1].any()
         assert torch.equal(routes.indices[routes.mask], tf.indices[routes.mask])
+        assert torch.equal(seen["replayed_sequences"], seq) and seen["replayed_routes"].equal(routes)
 
 
 @pytest.mark.parametrize("shard", ["ddp", "fsdp2"])
