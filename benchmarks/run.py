@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from moe_replay import LayerInfo, Routes, expert_change, record_routes, replay_routes
+from moe_replay.tiny import tiny_moe
 
 REALISTIC = dict(
     hidden_size=512,
@@ -38,25 +39,12 @@ REALISTIC = dict(
     num_experts=64,
     num_experts_per_tok=8,
 )
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=16,
-    num_experts_per_tok=2,
-)
+TINY: dict = {}  # moe_replay.tiny's default shape: 4 layers, hidden 64, 16 experts of width 32, top-2
 
 
 def build(spec: dict, device: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=1024, pad_token_id=0, **spec)
-    return AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm").to(device).eval()
+    """A Qwen3-MoE of the shape `spec` (config fields) over a 1024-token vocabulary, seed 0, grouped_mm experts."""
+    return tiny_moe(0, vocab=1024, experts_implementation="grouped_mm", **spec).to(device).eval()
 
 
 def paired(a: Callable[[], object], b: Callable[[], object], repeats: int, device: str) -> tuple[float, float]:
@@ -83,26 +71,13 @@ def generate_fn(model: torch.nn.Module, batch: int, new: int, device: str, recor
 
     def run() -> object:
         torch.manual_seed(2)
+        sampling = {"do_sample": True, "max_new_tokens": new, "min_new_tokens": new, "pad_token_id": 0}
         with torch.no_grad():
             if record:
                 with record_routes(model) as rec:
-                    model.generate(
-                        input_ids=ids,
-                        attention_mask=torch.ones_like(ids),
-                        do_sample=True,
-                        max_new_tokens=new,
-                        min_new_tokens=new,
-                        pad_token_id=0,
-                    )
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **sampling)
                 return rec.routes
-            return model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                pad_token_id=0,
-            )
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **sampling)
 
     return run
 

@@ -17,10 +17,10 @@ Writes <out>/compare_steps.csv (every step of every run, tidy), compare_summary.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pandas as pd
+from common import parse_args, publish, write_table
 from matplotlib.figure import Figure
 
 from moe_replay.analysis import plots
@@ -58,8 +58,7 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
             log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
             frames.append(log.assign(arm=arm, seed=seed))
     frame = pd.concat(frames, ignore_index=True)
-    out.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(out / "compare_steps.csv", index=False)
+    write_table(frame, out / "compare_steps.csv")
     return frame
 
 
@@ -109,19 +108,9 @@ def figure(frame: pd.DataFrame) -> Figure:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=list(PRESETS), default="full")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
-    ap.add_argument("--runs", type=Path, help="where runs and checkpoints go (default runs/compare_<preset>)")
-    ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args()
-    runs = args.runs or Path(f"runs/compare_{args.preset}")
-    frame = run_all(args.preset, args.out, runs, progress=not args.quiet)
-    summary = summarize(frame)
-    summary.to_csv(args.out / "compare_summary.csv", index=False)
-    print(summary.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    figure(frame).savefig(args.out / "compare.png", dpi=110)
-    print(f"wrote {args.out}/compare_steps.csv, compare_summary.csv, compare.png")
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/compare_{preset}"))
+    frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
+    publish(summarize(frame), figure(frame), args.out, "compare", dpi=110)
 
 
 if __name__ == "__main__":

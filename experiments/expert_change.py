@@ -9,13 +9,13 @@ step on a whole batch of 16 prompts x 8 sampled answers (token-level loss, ε 0.
 teacher-forced on that batch, before vs after the update (`measure_update_drift`). Adam's first step moves every
 weight by about lr, so updates 1..N are reported separately (the paper's runs are deep into training).
 
-    python experiments/expert_change.py --preset quick   # 3 variants x 2 learning rates, a few minutes
+    python experiments/expert_change.py --preset quick   # 2 small variants x 2 learning rates: a smoke test (~15 s)
     python experiments/expert_change.py --preset full    # the README's table, 3 seeds (about 15 minutes on 2 CPU cores)
     python experiments/expert_change.py --replot         # redraw the table and figures from the committed CSV
 
 Writes experiments/results/expert_change.csv (tidy: variant, layers, experts, top_k, seed, lr, update, layer,
 fraction), expert_change_summary.csv (per variant and lr: first update and later updates, mean and sd over seeds, %)
-and expert_change_lr.png, expert_change_layers.png.
+and expert_change_lr.png, expert_change_layers.png; warm starts are cached under --runs (default runs/warm_starts).
 """
 
 from __future__ import annotations
@@ -26,20 +26,21 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from common import WARM_STARTS, parse_args, save_figure, warm_started, write_table
 from matplotlib.figure import Figure
 
 from moe_replay import measure_update_drift
-from moe_replay.rl import Task, build_policy, group_advantages, policy_loss, warm_start
-from moe_replay.rl.loop import answer_logp
-from moe_replay.rl.policy import sample_answers
+from moe_replay.rl import Task, minibatch_update, rollout
 
 PRESETS = {
     "quick": {
-        "variants": [(4, 16, 2), (8, 16, 2), (4, 64, 8)],
+        "variants": [(2, 16, 2), (4, 16, 2)],
         "lrs": [1e-4, 1e-3],
         "updates": 2,
-        "warm_steps": 150,
+        "warm_steps": 10,
         "seeds": [0],
+        "prompts": 8,
+        "group_size": 4,
     },
     "full": {
         "variants": [(4, 16, 2), (8, 16, 2), (12, 16, 2), (4, 8, 2), (4, 64, 2), (4, 16, 1), (4, 16, 4), (4, 64, 8)],
@@ -51,45 +52,22 @@ PRESETS = {
 }
 
 
-def warm_policy(layers: int, experts: int, top_k: int, steps: int, cache: Path, seed: int = 0) -> torch.nn.Module:
-    """A warm-started policy of that shape (cached as a save_pretrained directory)."""
-    from transformers import AutoModelForCausalLM
-
-    path = cache / f"init_L{layers}_E{experts}_k{top_k}_seed{seed}"
-    if not (path / "config.json").exists():
-        model = build_policy(
-            {"num_hidden_layers": layers, "num_experts": experts, "num_experts_per_tok": top_k}, seed=seed
-        )
-        warm_start(model, Task("addition", 3), steps=steps, target_reward=0.35, seed=seed)
-        model.save_pretrained(path)
-    return AutoModelForCausalLM.from_pretrained(path)
-
-
-def drift_per_update(model: torch.nn.Module, lr: float, updates: int, seed: int = 0) -> list[pd.Series]:
-    """Per-layer expert change of each of `updates` successive GRPO updates (one Adam step on a fresh batch each)."""
+def drift_per_update(
+    model: torch.nn.Module, lr: float, updates: int, seed: int = 0, *, prompts: int = 16, group_size: int = 8
+) -> list[pd.Series]:
+    """Per-layer expert change of each of `updates` successive GRPO updates (one Adam step on a fresh batch of
+    `prompts` x `group_size` answers each, routing live)."""
     task = Task("addition", 3)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     out = []
     for _ in range(updates):
-        prompts, answers = task.sample(16, g)
-        prompts, answers = prompts.repeat_interleave(8, 0), answers.repeat_interleave(8, 0)
-        model.eval()
-        with torch.no_grad():
-            seq = sample_answers(model, prompts, task.answer_len)
-            old = answer_logp(model, seq, task.prompt_len)
-        adv = group_advantages(task.reward(seq[:, task.prompt_len :], answers), 8)
-
-        def update(seq: torch.Tensor = seq, old: torch.Tensor = old, adv: torch.Tensor = adv) -> None:
-            model.train()
-            logp = answer_logp(model, seq, task.prompt_len)
-            loss, _ = policy_loss(logp, old, adv, torch.ones_like(logp, dtype=torch.bool))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        out.append(measure_update_drift(model, seq, None, update=update).per_layer)
+        prompt_ids, answers = task.sample(prompts, g)
+        batch = rollout(model, task, prompt_ids, answers, group_size=group_size)
+        change = measure_update_drift(
+            model, batch.sequences, None, update=lambda b=batch: minibatch_update(model, opt, b)
+        )
+        out.append(change.per_layer)
     return out
 
 
@@ -111,15 +89,19 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def measure(p: dict, cache: Path) -> pd.DataFrame:
+def measure(p: dict, cache: Path, quiet: bool = False) -> pd.DataFrame:
     """Warm-start each variant per seed and measure the per-layer change of each update at each learning rate."""
+    from transformers import AutoModelForCausalLM
+
+    batch = {k: p[k] for k in ("prompts", "group_size") if k in p}
     rows = []
     for layers, experts, top_k in p["variants"]:
         for seed in p["seeds"]:
-            base = warm_policy(layers, experts, top_k, p["warm_steps"], cache, seed=seed)
+            init = warm_started(cache, layers=layers, experts=experts, top_k=top_k, steps=p["warm_steps"], seed=seed)
+            base = AutoModelForCausalLM.from_pretrained(init)
             for lr in p["lrs"]:
                 torch.manual_seed(seed)
-                per_update = drift_per_update(copy.deepcopy(base), lr, p["updates"], seed=seed)
+                per_update = drift_per_update(copy.deepcopy(base), lr, p["updates"], seed=seed, **batch)
                 for u, per_layer in enumerate(per_update, start=1):
                     for i, (name, frac) in enumerate(per_layer.items()):
                         rows.append(
@@ -137,10 +119,11 @@ def measure(p: dict, cache: Path) -> pd.DataFrame:
                             }
                         )
                 overall = [s.mean() for s in per_update]
-                print(
-                    f"L{layers:2d} E{experts:2d} k{top_k} seed {seed}  lr {lr:g}: "
-                    + "  ".join(f"{f:.2%}" for f in overall)
-                )
+                if not quiet:
+                    print(
+                        f"L{layers:2d} E{experts:2d} k{top_k} seed {seed}  lr {lr:g}: "
+                        + "  ".join(f"{f:.2%}" for f in overall)
+                    )
     return pd.DataFrame(rows)
 
 
@@ -151,7 +134,7 @@ def report(frame: pd.DataFrame, out: Path) -> None:
     updates = frame["update"].max()
 
     table = summary(frame)
-    table.to_csv(out / "expert_change_summary.csv", index=False)
+    write_table(table, out / "expert_change_summary.csv")
     print(table.to_string(index=False, formatters={"lr": "{:g}".format}, float_format=lambda v: f"{v:.2f}"))
     fig = Figure(figsize=(11, 4.4), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
@@ -168,7 +151,7 @@ def report(frame: pd.DataFrame, out: Path) -> None:
     axes[0].set_ylabel("routed experts changed by one update (%)")
     axes[0].legend(fontsize="small", ncol=2)
     fig.suptitle(f"Expert change after one GRPO update, tiny MoE, 3-digit addition (mean ± sd over {seeds} seeds)")
-    fig.savefig(out / "expert_change_lr.png", dpi=120)
+    save_figure(fig, out / "expert_change_lr.png")
 
     lr = lrs[len(lrs) // 2]
     fig = Figure(figsize=(6.4, 3.8), layout="constrained")
@@ -180,22 +163,22 @@ def report(frame: pd.DataFrame, out: Path) -> None:
     ax.set_ylabel("routed experts changed (%)")
     ax.set_title(f"Expert change per layer, lr {lr:g}, by depth")
     ax.legend(fontsize="small")
-    fig.savefig(out / "expert_change_layers.png", dpi=120)
+    save_figure(fig, out / "expert_change_layers.png")
     print(f"wrote {out}/expert_change.csv and two figures")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=list(PRESETS), default="full")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
+def options(ap: argparse.ArgumentParser) -> None:
+    """expert_change.py's own option: `--replot`."""
     ap.add_argument("--replot", action="store_true", help="redraw the table and figures from <out>/expert_change.csv")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+
+
+def main() -> None:
+    args = parse_args(__doc__, PRESETS, runs=WARM_STARTS, extra=options)
     if args.replot:
         frame = pd.read_csv(args.out / "expert_change.csv")
     else:
-        frame = measure(PRESETS[args.preset], Path("runs/expert_change"))
-        frame.to_csv(args.out / "expert_change.csv", index=False)
+        frame = measure(PRESETS[args.preset], args.runs, quiet=args.quiet)
+        write_table(frame, args.out / "expert_change.csv")
     report(frame, args.out)
 
 

@@ -11,10 +11,11 @@ How it differs from the paper: a tiny Qwen3-MoE (4 layers, 16 experts, top-2) wa
 16 prompts × 8 answers per step, μ = 4 minibatches, the update itself taken with replay (so both views see the same
 weights), on 2 CPU cores.
 
-    python experiments/mechanism.py --preset quick    # 1 learning rate, 2 steps (about a minute)
+    python experiments/mechanism.py --preset quick    # 10-step warm start, 1 learning rate, 1 step: a smoke test
     python experiments/mechanism.py --preset full     # 3 learning rates x 3 seeds x 5 steps (about 5 minutes)
 
-Writes experiments/results/mechanism.csv and mechanism.png.
+Starts from the warm start of experiments/expert_change.py's 4-layer variant (300 steps; made under --runs, default
+runs/warm_starts, if missing) or from --init. Writes experiments/results/mechanism.csv and mechanism.png.
 """
 
 from __future__ import annotations
@@ -24,21 +25,22 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from common import WARM_STARTS, parse_args, save_figure, warm_started, write_table
 from matplotlib.figure import Figure
 
-from moe_replay import expert_change, record_routes, teacher_forced_routes
-from moe_replay.rl import Task, group_advantages, policy_loss
-from moe_replay.rl.loop import answer_logp
-from moe_replay.rl.policy import sample_answers
+from moe_replay import expert_change, teacher_forced_routes
+from moe_replay.rl import Task, answer_logp, minibatch_update, rollout
 
 PRESETS = {
-    "quick": {"lrs": [1e-3], "seeds": [0], "steps": 2},
-    "full": {"lrs": [1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2], "steps": 5},
+    "quick": {"lrs": [1e-3], "seeds": [0], "steps": 1, "warm_steps": 10},
+    "full": {"lrs": [1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2], "steps": 5, "warm_steps": 300},
 }
 LOW, HIGH = 0.2, 0.27
 
 
 def run(lr: float, seed: int, steps: int, init: Path) -> list[dict]:
+    """GRPO with rollout replay from the policy in `init`; on minibatches 2..4 of each step, the token log-ratios at
+    the same weights routed live and replayed (one row per minibatch and view)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -48,15 +50,9 @@ def run(lr: float, seed: int, steps: int, init: Path) -> list[dict]:
     rows = []
     for step in range(steps):
         prompts, answers = task.sample(16, g)
-        prompts, answers = prompts.repeat_interleave(8, 0), answers.repeat_interleave(8, 0)
-        model.eval()
-        with torch.no_grad(), record_routes(model) as rec:
-            seq = sample_answers(model, prompts, task.answer_len)
-        routes, tp = rec.routes, task.prompt_len
-        adv = group_advantages(task.reward(seq[:, tp:], answers), 8)
-        with torch.no_grad():
-            old = answer_logp(model, seq, tp, routes)
-        for j, idx in enumerate(torch.randperm(seq.shape[0], generator=g).chunk(4)):
+        batch = rollout(model, task, prompts, answers, group_size=8, replay="rollout")
+        seq, tp, routes, old = batch.sequences, batch.prompt_len, batch.routes, batch.old_logp
+        for j, idx in enumerate(batch.minibatch_indices(4, g)):
             if j > 0:  # off-policy: the weights moved since π_old
                 model.eval()
                 with torch.no_grad():
@@ -78,36 +74,24 @@ def run(lr: float, seed: int, steps: int, init: Path) -> list[dict]:
                             "experts_changed": moved.fraction,
                         }
                     )
-            model.train()
-            logp = answer_logp(model, seq[idx], tp, routes[idx])
-            loss, _ = policy_loss(logp, old[idx], adv[idx], torch.ones_like(logp, dtype=torch.bool))
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            minibatch_update(model, opt, batch, idx, epsilon_low=LOW, epsilon_high=HIGH)
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=list(PRESETS), default="full")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
+def options(ap: argparse.ArgumentParser) -> None:
+    """mechanism.py's own option: `--init`."""
     ap.add_argument(
-        "--init",
-        type=Path,
-        default=Path("runs/expert_change/init_L4_E16_k2"),
-        help="a warm-started policy (made by experiments/expert_change.py if missing)",
+        "--init", type=Path, help="a warm-started policy (save_pretrained folder) instead of the cached one"
     )
-    args = ap.parse_args()
-    if not (args.init / "config.json").exists():
-        from expert_change import warm_policy
 
-        warm_policy(4, 16, 2, 300, args.init.parent)
+
+def main() -> None:
+    args = parse_args(__doc__, PRESETS, runs=WARM_STARTS, extra=options)
     p = PRESETS[args.preset]
-    rows = [r for lr in p["lrs"] for s in p["seeds"] for r in run(lr, s, p["steps"], args.init)]
+    init = args.init or warm_started(args.runs, layers=4, experts=16, top_k=2, steps=p["warm_steps"], seed=0)
+    rows = [r for lr in p["lrs"] for s in p["seeds"] for r in run(lr, s, p["steps"], init)]
     frame = pd.DataFrame(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(args.out / "mechanism.csv", index=False)
+    write_table(frame, args.out / "mechanism.csv")
     summary = frame.groupby(["lr", "view"]).agg(
         var_log_ratio=("var_log_ratio", "mean"),
         p99=("p99_abs_log_ratio", "mean"),
@@ -142,7 +126,7 @@ def main() -> None:
         ax.set_ylabel(label)
     axes[0].legend(fontsize="small")
     fig.suptitle("GRPO minibatches 2-4: the same weights, routing live vs replayed (mean ± sd over seeds)")
-    fig.savefig(args.out / "mechanism.png", dpi=120)
+    save_figure(fig, args.out / "mechanism.png")
     print(f"wrote {args.out}/mechanism.csv and mechanism.png")
 
 

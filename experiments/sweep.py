@@ -24,6 +24,7 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
+from common import parse_args, publish, write_table
 from matplotlib.figure import Figure
 
 from moe_replay.analysis import plots
@@ -159,30 +160,23 @@ def figure(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=list(PRESETS), default="full")
+def options(ap: argparse.ArgumentParser) -> None:
+    """sweep.py's own option: `--only`."""
     ap.add_argument("--only", nargs="+", choices=list(SETTINGS), help="run these settings and merge them into the CSVs")
-    ap.add_argument("--out", type=Path, default=Path("experiments/results"))
-    ap.add_argument("--runs", type=Path, help="where runs and checkpoints go (default runs/sweep_<preset>)")
-    ap.add_argument("--quiet", action="store_true")
-    args = ap.parse_args()
-    runs = args.runs or Path(f"runs/sweep_{args.preset}")
+
+
+def main() -> None:
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/sweep_{preset}"), extra=options)
     names = args.only or PRESETS[args.preset]["settings"]
-    frame = run_all(names, args.preset, runs, progress=not args.quiet)
-    args.out.mkdir(parents=True, exist_ok=True)
+    frame = run_all(names, args.preset, args.runs, progress=not args.quiet)
     steps_csv = args.out / "sweep_steps.csv"
     if args.only and steps_csv.exists():  # keep the other settings' results
         kept = pd.read_csv(steps_csv)
         frame = pd.concat([kept[~kept.setting.isin(names)], frame], ignore_index=True)
         order = [s for s in SETTINGS if s in set(frame.setting)]
         frame = frame.set_index("setting").loc[order].reset_index()
-    frame.to_csv(steps_csv, index=False)
-    summary = summarize(frame)
-    summary.to_csv(args.out / "sweep_summary.csv", index=False)
-    print(summary.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    figure(frame).savefig(args.out / "sweep.png", dpi=100)
-    print(f"wrote {steps_csv}, sweep_summary.csv, sweep.png")
+    write_table(frame, steps_csv)
+    publish(summarize(frame), figure(frame), args.out, "sweep", dpi=100)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from moe_replay import Routes, record_routes
+from moe_replay.tiny import tiny_moe
 
 VOCAB = 64
 PAD = 0
@@ -14,27 +14,8 @@ PAD = 0
 
 def tiny_qwen3_moe(seed: int = 0, *, layers: int = 3, experts: int = 8, top_k: int = 2) -> nn.Module:
     """A 3-layer Qwen3-MoE (layer 1 dense) with well-separated router scores."""
-    torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        mlp_only_layers=[1] if layers > 2 else [],
-        pad_token_id=PAD,
-    )
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-    return model
+    shape = {"layers": layers, "experts": experts, "top_k": top_k, "dense_layers": [1] if layers > 2 else []}
+    return tiny_moe(seed, **shape, vocab=VOCAB, router_std=0.5, intermediate_size=96, pad_token_id=PAD)
 
 
 def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,13 @@
-"""The RL loop: sample B prompts x G answers with routes recorded, reward, advantages, old log-probs, then μ minibatch
-updates with GRPO / GSPO / GSPO-token, with or without Routing Replay. Logs are tidy CSVs, flushed every step; a
-checkpoint every few steps lets a killed run resume and produce the same log.
+"""The RL loop: each step a `rollout` (B prompts x G answers sampled with routes recorded, rewards, advantages, old
+log-probs) and μ `minibatch_update`s with GRPO / GSPO / GSPO-token, with or without Routing Replay. Logs are tidy
+CSVs, flushed every step; a checkpoint every few steps lets a killed run resume and produce the same log.
+
+Example:
+    >>> out = train(TrainConfig(steps=50, replay="rollout"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import csv
 import json
@@ -17,23 +19,12 @@ import torch
 from torch import nn
 
 from ..analysis import expert_change, teacher_forced_routes
-from ..hooks import record_routes, replay_routes
-from ..routes import Routes
 from .config import TrainConfig
-from .losses import group_advantages, policy_loss
-from .policy import build_policy, sample_answers, sampled_reward, scale_routers, warm_start
+from .policy import build_policy, sampled_reward, scale_routers, warm_start
+from .step import minibatch_update, rollout
 from .tasks import Task
 
 STEP_LOG, MINIBATCH_LOG, CHECKPOINT = "steps.csv", "minibatches.csv", "checkpoint"
-
-
-def answer_logp(model: nn.Module, sequences: torch.Tensor, prompt_len: int, routes: Routes | None = None):  # noqa: ANN201
-    """[N, A] log-probabilities of the answer tokens (positions from `prompt_len` on), replaying `routes` if given."""
-    ctx = replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
-    with ctx:
-        logits = model(sequences, attention_mask=torch.ones_like(sequences), output_router_logits=False).logits
-    logits = logits[:, prompt_len - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, sequences[:, prompt_len:, None]).squeeze(-1)
 
 
 class Run:
@@ -100,78 +91,52 @@ class Run:
         return AutoModelForCausalLM.from_pretrained(init)
 
     # ---- one step ----------------------------------------------------------------------------------------------
-    def rollout(self) -> tuple[torch.Tensor, Routes, torch.Tensor, torch.Tensor]:
-        """Sample G answers per prompt with routes recorded: sequences [N, Tp + A], routes, rewards [N], exact [N]."""
-        cfg, task = self.cfg, self.task
-        prompts, answers = task.sample(cfg.prompts, self.task_gen)
-        prompts = prompts.repeat_interleave(cfg.group_size, 0)
-        answers = answers.repeat_interleave(cfg.group_size, 0)
-        sampler = self.model
-        if cfg.rollout_dtype == "bfloat16":
-            sampler = copy.deepcopy(self.model).to(torch.bfloat16)
-        sampler.eval()
-        with torch.no_grad(), record_routes(sampler) as rec:
-            seq = sample_answers(sampler, prompts, task.answer_len)
-        completions = seq[:, prompts.shape[1] :]
-        rewards = task.reward(completions, answers, partial=cfg.partial_credit)
-        exact = task.reward(completions, answers, partial=False)
-        return seq, rec.routes, rewards, exact
-
     def train_step(self) -> dict[str, Any]:
-        cfg, model, tp = self.cfg, self.model, self.task.prompt_len
+        """Sample one batch (`rollout`), log its reward and routing diagnostics, then make `minibatches` updates
+        (`minibatch_update`); returns the step's row and the minibatches' rows."""
+        cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
-        seq, rollout_routes, rewards, exact = self.rollout()
+        prompts, answers = self.task.sample(cfg.prompts, self.task_gen)
+        sampler = copy.deepcopy(model).to(torch.bfloat16) if cfg.rollout_dtype == "bfloat16" else None
+        batch = rollout(
+            model,
+            self.task,
+            prompts,
+            answers,
+            group_size=cfg.group_size,
+            replay=cfg.replay,
+            sampler=sampler,
+            partial_credit=cfg.partial_credit,
+        )
         t_rollout = time.perf_counter() - t0
-        adv = group_advantages(rewards, cfg.group_size)
-        mask = torch.ones(seq.shape[0], seq.shape[1] - tp, dtype=torch.bool)
-
-        model.eval()
-        with torch.no_grad():
-            if cfg.replay == "rollout":
-                train_routes = rollout_routes
-                old = answer_logp(model, seq, tp, train_routes)
-            elif cfg.replay == "old_logprob":
-                with record_routes(model) as rec:
-                    old = answer_logp(model, seq, tp)
-                train_routes = rec.routes
-            else:
-                train_routes = None
-                old = answer_logp(model, seq, tp)
         row: dict[str, Any] = {
             "step": self.step + 1,
-            "reward_mean": float(rewards.mean()),
-            "exact_match": float(exact.mean()),
+            "reward_mean": float(batch.rewards.mean()),
+            "exact_match": float(batch.exact.mean()),
         }
-        live = teacher_forced_routes(model, seq) if cfg.diagnostics else None
+        live = teacher_forced_routes(model, batch.sequences) if cfg.diagnostics else None
         if live is not None:
-            mismatch = expert_change(rollout_routes, live)
+            mismatch = expert_change(batch.routes, live)
             row["mismatch/fraction"] = mismatch.fraction
             row["mismatch/token_changed"] = mismatch.token_changed
 
-        perm = torch.randperm(seq.shape[0], generator=self.perm_gen)
         mb_rows = []
-        for j, idx in enumerate(perm.chunk(cfg.minibatches)):
-            model.train()
-            routes = train_routes[idx] if train_routes is not None else None
-            logp = answer_logp(model, seq[idx], tp, routes)
-            loss, metrics = policy_loss(
-                logp,
-                old[idx],
-                adv[idx],
-                mask[idx],
+        for j, idx in enumerate(batch.minibatch_indices(cfg.minibatches, self.perm_gen)):
+            metrics = minibatch_update(
+                model,
+                self.opt,
+                batch,
+                idx,
                 importance_sampling_level=cfg.importance_sampling_level,
                 epsilon_low=cfg.epsilon_low,
                 epsilon_high=cfg.epsilon_high,
+                max_grad_norm=cfg.max_grad_norm,
             )
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            mb = {"step": self.step + 1, "minibatch": j, "loss": loss.item(), "grad_norm": float(grad_norm), **metrics}
+            mb = {"step": self.step + 1, "minibatch": j, **metrics}
             if live is not None:
                 # how far the live routing of the model this minibatch trained has moved from the sampled routes
-                mb["routes_moved_since_rollout"] = expert_change(rollout_routes, live).fraction
-                after = teacher_forced_routes(model, seq)
+                mb["routes_moved_since_rollout"] = expert_change(batch.routes, live).fraction
+                after = teacher_forced_routes(model, batch.sequences)
                 mb["expert_change"] = expert_change(live, after).fraction
                 live = after
             mb_rows.append(mb)

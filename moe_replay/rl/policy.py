@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..tiny import tiny_moe
 from .tasks import BOS, EOS, PAD, VOCAB, Task
 
 # A Qwen3-MoE-style policy of about 1.3M parameters (DESIGN.md §8): trains on 2 CPU cores.
@@ -34,20 +35,12 @@ def build_policy(config: dict[str, Any] | None = None, *, seed: int = 0) -> nn.M
     Example:
         >>> model = build_policy({"num_hidden_layers": 8, "num_experts": 64})  # doctest: +SKIP
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = dict(config or {})
     same_family = config.get("model_type", DEFAULT_POLICY["model_type"]) == DEFAULT_POLICY["model_type"]
     fields = {**DEFAULT_POLICY, **config} if same_family else config  # other families: their own field names
-    model_type = fields.pop("model_type")
     implementation = fields.pop("experts_implementation", "grouped_mm")
     fields.update(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, output_router_logits=True)
-    torch.manual_seed(seed)
-    hf_config = AutoConfig.for_model(model_type, **fields)
-    try:
-        model = AutoModelForCausalLM.from_config(hf_config, experts_implementation=implementation)
-    except (ValueError, TypeError):  # a family without selectable experts implementations
-        model = AutoModelForCausalLM.from_config(hf_config)
+    model = tiny_moe(seed, experts_implementation=implementation, **fields).train()
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = EOS
     return model
@@ -60,7 +53,7 @@ def scale_routers(model: nn.Module, scale: float) -> None:
     Example:
         >>> scale_routers(model, 0.25)  # flatter routing: smaller logit margins, so updates flip experts more easily
     """
-    from ..hooks.discover import find_routers
+    from ..engines.hf import find_routers
 
     if not scale > 0:
         raise ValueError(f"scale must be > 0, got {scale}")

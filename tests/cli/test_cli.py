@@ -16,7 +16,7 @@ def test_version_and_help(capsys):
 
 
 def test_demo_replays_exactly(capsys):
-    from moe_replay.demo import run
+    from moe_replay.cli.demo import run
 
     figures = run(seed=1)
     out = capsys.readouterr().out

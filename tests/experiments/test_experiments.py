@@ -1,5 +1,5 @@
-"""Smoke tests: `experiments/compare.py` and `experiments/sweep.py --preset quick` run and write well-formed outputs
-(not claims)."""
+"""Smoke tests: every experiment script's `--preset quick` runs on a fresh checkout and writes well-formed outputs
+(not claims) into tmp_path, never into the committed experiments/results."""
 
 from __future__ import annotations
 
@@ -50,3 +50,45 @@ def test_sweep_quick_preset(tmp_path):
     assert summary.loc["base", "mismatch"] == 0.0  # an fp32 sampler routes exactly like the fp32 trainer
     assert summary.loc["bf16", "mismatch"] > 0.0  # a bf16 sampler does not
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 10_000
+
+
+def run_quick(script: str, tmp_path: Path) -> Path:
+    """Run `experiments/<script> --preset quick` writing into tmp_path; returns the output folder."""
+    cmd = [sys.executable, str(ROOT / "experiments" / script), "--preset", "quick", "--quiet"]
+    cmd += ["--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return tmp_path / "out"
+
+
+def test_expert_change_quick_preset(tmp_path):
+    out = run_quick("expert_change.py", tmp_path)
+    frame = pd.read_csv(out / "expert_change.csv")
+    assert list(frame.columns) == [
+        "variant", "layers", "experts", "top_k", "seed", "lr", "update", "layer", "layer_name", "fraction",
+    ]  # fmt: skip
+    # 2 variants (2 and 4 MoE layers) x 2 learning rates x 2 updates, one row per layer
+    assert len(frame) == (2 + 4) * 2 * 2 and frame.fraction.between(0, 1).all()
+    summary = pd.read_csv(out / "expert_change_summary.csv")
+    assert len(summary) == 4 and summary.first_mean.between(0, 100).all() and summary.later_mean.notna().all()
+    for name in ("expert_change_lr.png", "expert_change_layers.png"):
+        image = mpimg.imread(out / name)
+        assert image.shape[0] > 300 and image.shape[1] > 500
+    assert (tmp_path / "runs" / "init_L4_E16_k2_w10_seed0" / "config.json").exists()  # the warm start, cached
+
+
+def test_mechanism_quick_preset(tmp_path):
+    """Runs without --init on a fresh checkout: the warm start is made under --runs."""
+    out = run_quick("mechanism.py", tmp_path)
+    frame = pd.read_csv(out / "mechanism.csv")
+    assert list(frame.columns) == [
+        "lr", "seed", "step", "minibatch", "view", "var_log_ratio", "p99_abs_log_ratio", "outside_clip",
+        "experts_changed",
+    ]  # fmt: skip
+    # minibatches 2..4 of one step, each seen routed live and replayed
+    assert sorted(frame.minibatch.unique()) == [1, 2, 3] and len(frame) == 6
+    assert set(frame.view) == {"live routing", "routing replay"}
+    assert frame.outside_clip.between(0, 1).all() and frame.experts_changed.between(0, 1).all()
+    assert (frame.var_log_ratio >= 0).all()
+    image = mpimg.imread(out / "mechanism.png")
+    assert image.shape[0] > 300 and image.shape[1] > 800

@@ -1,4 +1,8 @@
-"""`moe-replay train`: one RL run from a TOML config."""
+"""`moe-replay train`: one RL run from a TOML config.
+
+Example:
+    $ moe-replay train --config configs/grpo_replay.toml --steps 10
+"""
 
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ def run(args: argparse.Namespace) -> int:
     """Run `moe-replay train` with parsed arguments."""
     import pandas as pd
 
-    from .rl.config import load_config
-    from .rl.loop import STEP_LOG, train
+    from ..rl.config import load_config
+    from ..rl.loop import STEP_LOG, train
 
     overrides = {
         k: v for k, v in (("output", args.output), ("steps", args.steps), ("seed", args.seed)) if v is not None

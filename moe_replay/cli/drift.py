@@ -1,4 +1,8 @@
-"""`moe-replay drift`: how many routed experts one optimizer step moves, for a saved model."""
+"""`moe-replay drift`: how many routed experts one optimizer step moves, for a saved model.
+
+Example:
+    $ moe-replay drift path/to/model --batch 16 --length 64 --lr 1e-4 --plot drift.png --csv drift.csv
+"""
 
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     """Run `moe-replay drift` with parsed arguments."""
     from transformers import AutoModelForCausalLM
 
-    from .analysis import measure_update_drift
+    from ..analysis import measure_update_drift
 
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
@@ -64,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         frame.to_csv(args.csv, index=False)
         print(f"wrote {args.csv}")
     if args.plot:
-        from .analysis import plots
+        from ..analysis import plots
 
         plots.per_layer(change, title=f"Expert change after one {args.optimizer} step (lr {args.lr:g})").savefig(
             args.plot, dpi=120

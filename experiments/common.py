@@ -1,0 +1,103 @@
+"""What the experiment scripts share: the command line (`--preset quick|full`, `--out`, `--runs`, `--quiet`), the
+cached warm-started policies, and writing tables and figures.
+
+Example (in an experiment script, run as `python experiments/<name>.py`, whose folder is then on sys.path):
+    >>> from common import parse_args, save_figure, warm_started  # doctest: +SKIP
+    >>> args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/compare_{preset}"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+from moe_replay.rl import Task, build_policy, warm_start
+
+RESULTS = Path("experiments/results")  # the committed results; tests write elsewhere (--out)
+WARM_STARTS = Path("runs/warm_starts")  # warm-started policies, shared by the experiments that start from one
+
+
+def parse_args(
+    doc: str,
+    presets: Mapping[str, Any],
+    *,
+    runs: Path | Callable[[str], Path],
+    extra: Callable[[argparse.ArgumentParser], object] | None = None,
+    argv: Sequence[str] | None = None,
+) -> argparse.Namespace:
+    """Parse the options every experiment has: `--preset` (default "full"), `--out` (default experiments/results),
+    `--runs` (default `runs`, or `runs(preset)`) and `--quiet`, plus the script's own, added by `extra`.
+
+    Example:
+        >>> args = parse_args(__doc__, PRESETS, runs=lambda p: Path(f"runs/sweep_{p}"),  # doctest: +SKIP
+        ...                   extra=lambda ap: ap.add_argument("--only", nargs="+"))
+        >>> PRESETS[args.preset], args.out, args.runs  # doctest: +SKIP
+    """
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--preset", choices=list(presets), default="full", help="quick: a smoke test; full: the results")
+    ap.add_argument("--out", type=Path, default=RESULTS, help=f"where tables and figures go (default {RESULTS})")
+    default = runs if isinstance(runs, Path) else runs("<preset>")
+    ap.add_argument("--runs", type=Path, help=f"where runs and warm starts go (default {default})")
+    ap.add_argument("--quiet", action="store_true", help="no progress output")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args(argv)
+    if args.runs is None:
+        args.runs = runs if isinstance(runs, Path) else runs(args.preset)
+    return args
+
+
+def warm_started(
+    cache: Path, *, layers: int = 4, experts: int = 16, top_k: int = 2, steps: int = 300, seed: int = 0
+) -> Path:
+    """The folder (save_pretrained) of the default policy with `layers` layers, `experts` experts and top-`top_k`,
+    warm-started on 3-digit addition for up to `steps` steps (stopping at sampled reward 0.35): made once, then
+    reused from `cache`. The folder name holds every setting, so a quick preset's short warm start never stands in
+    for a full one.
+
+    Example:
+        >>> model = AutoModelForCausalLM.from_pretrained(warm_started(WARM_STARTS, layers=8))  # doctest: +SKIP
+    """
+    path = cache / f"init_L{layers}_E{experts}_k{top_k}_w{steps}_seed{seed}"
+    if not (path / "config.json").exists():
+        model = build_policy(
+            {"num_hidden_layers": layers, "num_experts": experts, "num_experts_per_tok": top_k}, seed=seed
+        )
+        warm_start(model, Task("addition", 3), steps=steps, target_reward=0.35, seed=seed)
+        model.save_pretrained(path)
+    return path
+
+
+def write_table(frame: pd.DataFrame, path: Path) -> Path:
+    """Write `frame` as CSV (no index) to `path`, making its folder; returns `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, index=False)
+    return path
+
+
+def publish(summary: pd.DataFrame, fig: Figure, out: Path, name: str, dpi: int = 120) -> None:
+    """Write `<out>/<name>_summary.csv` and `<out>/<name>.png`, print the summary, and list what `<out>` holds.
+
+    Example:
+        >>> publish(summarize(frame), figure(frame), args.out, "compare", dpi=110)  # doctest: +SKIP
+    """
+    write_table(summary, out / f"{name}_summary.csv")
+    print(summary.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    save_figure(fig, out / f"{name}.png", dpi=dpi)
+    print(f"wrote {out}/{name}_steps.csv, {name}_summary.csv, {name}.png")
+
+
+def save_figure(fig: Figure, path: Path, dpi: int = 120) -> Path:
+    """Save a matplotlib `Figure` (PNG, PDF, SVG by suffix) to `path`, making its folder; returns `path`.
+
+    Example:
+        >>> save_figure(figure(frame), args.out / "compare.png", dpi=110)  # doctest: +SKIP
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path

@@ -1,0 +1,192 @@
+"""One RL step, in two public pieces: `rollout` (sample with routes recorded, reward, advantages, old log-probs, the
+routes to replay) and `minibatch_update` (one policy-loss step on a minibatch under that replay). The loop
+(`moe_replay.rl.train`) and every experiment are built from them.
+
+Shapes: N answers (B prompts x G answers, the G answers of a prompt next to each other), Tp prompt tokens, A answer
+tokens; routes are [N, Tp + A, L, K] (L MoE layers, K experts per token).
+
+Example:
+    >>> batch = rollout(model, task, prompts, answers, group_size=8, replay="rollout")  # doctest: +SKIP
+    >>> for idx in batch.minibatch_indices(4, torch.Generator().manual_seed(0)):  # doctest: +SKIP
+    ...     metrics = minibatch_update(model, optimizer, batch, idx)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..engines import record_routes, replay_routes
+from ..routes import Routes
+from .config import REPLAY_MODES
+from .losses import Level, group_advantages, policy_loss
+from .policy import sample_answers
+from .tasks import Task
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled answers with everything the minibatch updates need.
+
+    Attributes:
+        sequences: [N, Tp + A] prompt and sampled answer token ids.
+        prompt_len: Tp, the tokens per prompt (BOS included).
+        routes: `Routes` [N, Tp + A, L, K] that the sampler recorded while sampling.
+        rewards: [N] rewards (per-position partial credit where asked).
+        exact: [N] 1.0 where the answer is exactly right.
+        advantages: [N] group-normalised rewards, (R - mean) / std within each prompt's G answers.
+        old_logp: [N, A] log π_old of the answer tokens, from the trainer's forward under `train_routes`.
+        mask: [N, A] bool, True at answer tokens (answers have a fixed length: all True).
+        replay: "off", "rollout" or "old_logprob" (see `rollout`).
+        train_routes: the routes the minibatch updates replay: None ("off"), `routes` ("rollout", R3) or the routes
+            of the old-log-prob forward ("old_logprob", R2).
+
+    Example:
+        >>> batch.old_logp.shape, batch.train_routes is batch.routes  # doctest: +SKIP
+        (torch.Size([128, 4]), True)
+    """
+
+    sequences: torch.Tensor
+    prompt_len: int
+    routes: Routes
+    rewards: torch.Tensor
+    exact: torch.Tensor
+    advantages: torch.Tensor
+    old_logp: torch.Tensor
+    mask: torch.Tensor
+    replay: str
+    train_routes: Routes | None
+
+    def __len__(self) -> int:
+        """N, the number of answers."""
+        return self.sequences.shape[0]
+
+    def minibatch_indices(self, count: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """`count` index tensors that split a random permutation of the N answers (drawn from `generator`).
+
+        Example:
+            >>> [len(i) for i in batch.minibatch_indices(4, torch.Generator().manual_seed(0))]  # doctest: +SKIP
+            [32, 32, 32, 32]
+        """
+        return torch.randperm(len(self), generator=generator).chunk(count)
+
+
+def answer_logp(
+    model: nn.Module, sequences: torch.Tensor, prompt_len: int, routes: Routes | None = None
+) -> torch.Tensor:
+    """[N, A] log-probabilities of the answer tokens of `sequences` [N, Tp + A] (positions from `prompt_len` on),
+    teacher-forced, replaying `routes` if given. Runs with grad unless the caller disables it.
+
+    Example:
+        >>> with torch.no_grad():  # doctest: +SKIP
+        ...     old = answer_logp(model, seq, task.prompt_len, rec.routes)
+    """
+    ctx = replay_routes(model, routes) if routes is not None else contextlib.nullcontext()
+    with ctx:
+        logits = model(sequences, attention_mask=torch.ones_like(sequences), output_router_logits=False).logits
+    logits = logits[:, prompt_len - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, sequences[:, prompt_len:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def rollout(
+    model: nn.Module,
+    task: Task,
+    prompts: torch.Tensor,
+    answers: torch.Tensor,
+    *,
+    group_size: int,
+    replay: str = "off",
+    sampler: nn.Module | None = None,
+    partial_credit: bool = True,
+) -> Rollout:
+    """Sample `group_size` answers for each of the B `prompts` [B, Tp] with routes recorded, reward them against
+    `answers` [B, A], normalise the rewards within each group, and compute the old log-probs with `model` (eval
+    mode, no grad) under the chosen `replay`:
+
+    - "off": old log-probs routed live; the updates route live.
+    - "rollout" (R3): old log-probs and updates replay the sampler's routes.
+    - "old_logprob" (R2): the old-log-prob forward routes live and is recorded; the updates replay those routes.
+
+    `sampler` samples instead of `model` (e.g. a bf16 copy, for a sampler/trainer mismatch); the old log-probs
+    always come from `model`. Sampling draws from the global torch RNG.
+
+    Example:
+        >>> prompts, answers = task.sample(16, torch.Generator().manual_seed(0))  # doctest: +SKIP
+        >>> batch = rollout(model, task, prompts, answers, group_size=8, replay="rollout")  # doctest: +SKIP
+        >>> batch.sequences.shape, batch.rewards.mean()  # doctest: +SKIP
+        (torch.Size([128, 12]), tensor(0.4102))
+    """
+    if replay not in REPLAY_MODES:
+        raise ValueError(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
+    prompts = prompts.repeat_interleave(group_size, 0)
+    answers = answers.repeat_interleave(group_size, 0)
+    sampler = model if sampler is None else sampler
+    sampler.eval()
+    with record_routes(sampler) as rec:
+        seq = sample_answers(sampler, prompts, task.answer_len)
+    routes = rec.routes
+    tp = prompts.shape[1]
+    completions = seq[:, tp:]
+    rewards = task.reward(completions, answers, partial=partial_credit)
+    exact = task.reward(completions, answers, partial=False)
+    advantages = group_advantages(rewards, group_size)
+    mask = torch.ones(seq.shape[0], seq.shape[1] - tp, dtype=torch.bool)
+
+    model.eval()
+    if replay == "rollout":
+        train_routes = routes
+        old = answer_logp(model, seq, tp, train_routes)
+    elif replay == "old_logprob":
+        with record_routes(model) as old_rec:
+            old = answer_logp(model, seq, tp)
+        train_routes = old_rec.routes
+    else:
+        train_routes = None
+        old = answer_logp(model, seq, tp)
+    return Rollout(seq, tp, routes, rewards, exact, advantages, old, mask, replay, train_routes)
+
+
+def minibatch_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Rollout,
+    index: torch.Tensor | None = None,
+    *,
+    importance_sampling_level: Level = "token",
+    epsilon_low: float | None = None,
+    epsilon_high: float | None = None,
+    max_grad_norm: float = 1.0,
+) -> dict[str, float]:
+    """One optimizer step of the policy loss on the answers `index` (default: all) of `batch`, replaying its
+    `train_routes` if it has any: train mode, forward, `policy_loss`, backward, gradient clipping to
+    `max_grad_norm`, step, zero_grad. Returns the loss, the gradient norm before clipping and the loss's metrics.
+
+    Example:
+        >>> m = minibatch_update(model, opt, batch, idx, importance_sampling_level="sequence")  # doctest: +SKIP
+        >>> m["loss"], m["grad_norm"], m["clip_ratio/region_mean"]  # doctest: +SKIP
+    """
+    model.train()
+    seq, old, adv, mask = batch.sequences, batch.old_logp, batch.advantages, batch.mask
+    routes = batch.train_routes
+    if index is not None:
+        seq, old, adv, mask = seq[index], old[index], adv[index], mask[index]
+        routes = routes[index] if routes is not None else None
+    logp = answer_logp(model, seq, batch.prompt_len, routes)
+    loss, metrics = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        importance_sampling_level=importance_sampling_level,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+    )
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss.item(), "grad_norm": float(grad_norm), **metrics}
