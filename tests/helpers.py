@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -56,3 +58,17 @@ def perturb(model: nn.Module, scale: float = 0.3, seed: int = 5, min_std: float 
         for p in model.parameters():
             if p.dtype.is_floating_point and p.numel() > 1:
                 p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale * p.float().std().clamp(min=min_std))
+
+
+def sampled(
+    model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int, *, exact: bool = True, **kwargs: Any
+) -> tuple[Any, Routes]:
+    """(`generate`'s output, the routes recorded while it sampled `new` tokens; `exact`: no fewer either).
+
+    Other `generate` arguments pass through (pad_token_id defaults to PAD)."""
+    kwargs = {"pad_token_id": PAD, "do_sample": True, "return_dict_in_generate": True, **kwargs}
+    if exact:
+        kwargs["min_new_tokens"] = new
+    with record_routes(model) as rec:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **kwargs)
+    return out, rec.routes

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pandas as pd
 import torch
-from helpers import PAD, extend_mask, left_padded, tiny_qwen3_moe
+from helpers import extend_mask, left_padded, sampled, tiny_qwen3_moe
 
-from moe_replay import measure_mismatch, measure_update_drift, record_routes, teacher_forced_routes
+from moe_replay import measure_mismatch, measure_update_drift, teacher_forced_routes
 from moe_replay.cli import main
 
 
@@ -26,19 +26,10 @@ def test_update_drift_is_zero_for_a_no_op_and_positive_for_a_step(qwen):
 def test_mismatch_between_generate_and_trainer():
     model = tiny_qwen3_moe(seed=2)
     ids, mask = left_padded(3, 6, [2, 0, 1])
-    with record_routes(model) as rec:
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=5,
-            min_new_tokens=5,
-            return_dict_in_generate=True,
-            pad_token_id=PAD,
-        )
+    out, routes = sampled(model, ids, mask, 5)
     full = extend_mask(mask, out.sequences.shape[1])
-    same = measure_mismatch(model, out.sequences, full, rec.routes)
-    assert same.fraction == 0.0 and same.num_tokens == int(rec.routes.mask.sum())
+    same = measure_mismatch(model, out.sequences, full, routes)
+    assert same.fraction == 0.0 and same.num_tokens == int(routes.mask.sum())
     # the same weights in bf16 as the sampler: a precision mismatch, reported with the same metrics
     sampler = tiny_qwen3_moe(seed=2).to(torch.bfloat16)
     low = teacher_forced_routes(sampler, out.sequences, full)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import PAD, extend_mask, left_padded, perturb, tiny_qwen3_moe
+from helpers import PAD, extend_mask, left_padded, perturb, sampled, tiny_qwen3_moe
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -48,38 +48,20 @@ def synced_generation(rank: int) -> dict:
     forwards = []
     model.register_forward_pre_hook(lambda m, a: forwards.append(1))
     torch.manual_seed(rank)
-    with record_routes(model) as rec:
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=6,
-            eos_token_id=EOS,
-            return_dict_in_generate=True,
-            pad_token_id=PAD,
-            synced_gpus=True,
-        )
-    seq = out.sequences
+    out, routes = sampled(model, ids, mask, 6, exact=False, eos_token_id=EOS, synced_gpus=True)
+    seq, n_forwards = out.sequences, len(forwards)
     with record_routes(model) as tf:
         model(seq, attention_mask=extend_mask(mask, seq.shape[1]))
     torch.manual_seed(rank)
-    with replay_routes(model, rec.routes), record_routes(model) as again:  # dummy forwards are not replayed either
-        replayed = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=6,
-            eos_token_id=EOS,
-            pad_token_id=PAD,
-            synced_gpus=True,
-        )
+    with replay_routes(model, routes):  # dummy forwards are not replayed either
+        replayed, again = sampled(model, ids, mask, 6, exact=False, eos_token_id=EOS, synced_gpus=True)
     return {
         "sequences": seq,
-        "routes": rec.routes,
+        "routes": routes,
         "teacher_forced": tf.routes,
-        "forwards": len(forwards),
-        "replayed_sequences": replayed,
-        "replayed_routes": again.routes,
+        "forwards": n_forwards,
+        "replayed_sequences": replayed.sequences,
+        "replayed_routes": again,
     }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from helpers import PAD, extend_mask, left_padded, tiny_qwen3_moe
+from helpers import extend_mask, left_padded, sampled, tiny_qwen3_moe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,17 +29,8 @@ def test_generate_routes_equal_teacher_forced(case):
     B, T, pads, new, seed = case
     ids, mask = left_padded(B, T, pads, seed=seed)
     torch.manual_seed(seed)
-    with record_routes(MODEL) as rec:
-        out = MODEL.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            return_dict_in_generate=True,
-            pad_token_id=PAD,
-        )
-    seq, gen = out.sequences, rec.routes
+    out, gen = sampled(MODEL, ids, mask, new)
+    seq = out.sequences
     full = extend_mask(mask, seq.shape[1]).bool()
     expected = full.clone()
     expected[:, -1] = False  # the last sampled token is never fed

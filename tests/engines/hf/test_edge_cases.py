@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PAD, hook_count, left_padded, perturb, recorded, tiny_qwen3_moe
+from helpers import PAD, hook_count, left_padded, perturb, recorded, sampled, tiny_qwen3_moe
 from torch import nn
 
 from moe_replay import ReplayError, UnsupportedGenerationError, record_routes, replay_routes
@@ -73,17 +73,8 @@ def test_rows_end_at_their_eos_token():
     with torch.no_grad():  # make EOS likely so some rows stop early
         model.lm_head.weight[eos] += 0.3
     torch.manual_seed(0)
-    with record_routes(model) as rec:
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=8,
-            eos_token_id=eos,
-            pad_token_id=PAD,
-            return_dict_in_generate=True,
-        )
-    seq, routes = out.sequences, rec.routes
+    out, routes = sampled(model, ids, mask, 8, exact=False, eos_token_id=eos)
+    seq = out.sequences
     finished = 0
     for b in range(seq.shape[0]):
         hits = (seq[b, 4:] == eos).nonzero()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from families import FamilyNotBuildable, build_tiny_model, discover_moe_families
-from helpers import perturb
+from helpers import perturb, sampled
 from transformers.utils import logging
 
 from moe_replay import UnsupportedModelError, find_routers, record_routes, replay_routes
@@ -100,18 +100,8 @@ def test_generate_routes_match_teacher_forcing_and_replay_is_exact(family, dtype
     model = build(family, dtype)
     ids, mask = batch(model)
     torch.manual_seed(0)
-    with record_routes(model) as rec:
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=4,
-            min_new_tokens=4,
-            return_dict_in_generate=True,
-            output_logits=True,
-            pad_token_id=pad_id(model),
-        )
-    seq, gen = out.sequences, rec.routes
+    out, gen = sampled(model, ids, mask, 4, output_logits=True, pad_token_id=pad_id(model))
+    seq = out.sequences
     full = torch.cat([mask, mask.new_ones(mask.shape[0], seq.shape[1] - mask.shape[1])], 1)
     expected = full.bool().clone()
     expected[:, -1] = False

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PAD, extend_mask, left_padded, perturb, tiny_qwen3_moe
+from helpers import PAD, extend_mask, left_padded, perturb, sampled, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
 
 
 def generate(model, ids, mask, n=6, **kw):
-    with record_routes(model) as rec:
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            return_dict_in_generate=True,
-            pad_token_id=PAD,
-            **kw,
-        )
-    return out.sequences, rec.routes
+    out, routes = sampled(model, ids, mask, n, **kw)
+    return out.sequences, routes
 
 
 def experts_used(model, fn):
