@@ -203,7 +203,7 @@ def main() -> int:
 
     gb = 0.0625 if q else 1.0
     n_tok = int(gb * 2**30 / (L * K + 1))
-    big = Routes._trusted(
+    big = Routes(
         ((torch.randint(0, E, (n_tok // 1024, 1024, L, 1)) + torch.arange(K)) % E).to(torch.uint8),  # distinct
         torch.ones(n_tok // 1024, 1024, dtype=torch.bool),
         tuple(LayerInfo(f"model.layers.{i}.mlp.gate", E, K) for i in range(L)),
