@@ -237,6 +237,12 @@ class RouterHub:
             if queued is not None:
                 call.layer, call.step, call.plan = queued.layer, queued.step, queued.plan
                 call.selectors = [make(call) for make in self.selectors[call.index]]
+            elif self.replayers:  # the forward was replayed but not seen to be checkpointed: never route it live
+                raise ReplayError(
+                    f"router {call.layer!r} is recomputed in the backward but no replayed forward awaits it: a "
+                    "checkpoint moe-replay did not recognise (other saved-tensor hooks inside it?), or a forward run "
+                    "outside `with replay_routes(...)`"
+                )
         elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
             queue.add(Pending(self.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))
 

@@ -173,3 +173,27 @@ def test_a_recompute_that_matches_no_waiting_forward_is_an_error(setup):
             with torch.no_grad():  # the recompute of layer 0 now sees other router inputs than either forward
                 model.model.layers[0].post_attention_layernorm.weight.mul_(1.5)
             (first + second).backward()
+
+
+def test_a_checkpoint_that_is_not_recognised_is_an_error_not_a_live_recompute(setup):
+    """Saved-tensor hooks of another tool inside a non-reentrant checkpoint hide it from the router call: the
+    forward's plan is not queued, so the recompute raises instead of routing live (which would be silently wrong as
+    soon as anything after the router is saved under the checkpoint)."""
+    model, ids, mask, routes = setup
+    model = copy.deepcopy(model)
+
+    class Offloaded(Checkpointed):
+        def forward(self, *args, **kwargs):
+            def run(*a):
+                with torch.autograd.graph.save_on_cpu():  # the layer runs under other hooks: the router too
+                    out = self.inner(*a, **kwargs)
+                return out * (1 + out.detach().tanh() * 1e-3)  # saves the layer's output under the checkpoint
+
+            return checkpoint(run, *args, use_reentrant=False)
+
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = Offloaded(layer, reentrant=False)
+    with pytest.raises(ReplayError, match="no replayed forward awaits it"):
+        with replay_routes(model, routes):
+            model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
