@@ -101,7 +101,7 @@ def _peak_child(spec: str, batch: int, new: int, device: str, record: bool) -> N
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller runs, same table (under two minutes)")
-    ap.add_argument("--csv", type=Path, default=Path("benchmarks/results.csv"))
+    ap.add_argument("--csv", type=Path, default=None, help="default: benchmarks/results.csv, or results_quick.csv")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--_peak", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -247,6 +247,8 @@ def main() -> int:
         times.append(time.perf_counter() - t0)
     add("expert_change on 1.05e7 entries [64, 2048, 10, 8]", statistics.median(times), None, "s", "(none)", None)
 
+    if args.csv is None:  # a quick run never overwrites the committed full results
+        args.csv = Path("benchmarks/results_quick.csv" if args.quick else "benchmarks/results.csv")
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
