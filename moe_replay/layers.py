@@ -50,15 +50,18 @@ def match_layers(
     base = {h: h.partition("#")[0] for h in held_names}
     plain = {plain_name(n): n for n in names}
     mapping: dict[str, str] = {}
+    named = False  # some layer name matches some router (even ambiguously): no fallback to layer order
     for b in set(base.values()):
         pb = plain_name(b)
         if pb in plain:
             mapping[b] = plain[pb]
+            named = True
             continue
         hits = [n for p, n in plain.items() if p.endswith("." + pb) or pb.endswith("." + p)]
+        named |= bool(hits)
         if len(hits) == 1:
             mapping[b] = hits[0]
-    if not mapping and len(held_names) == len(names) and all("#" not in h for h in held_names):
+    if not named and len(held_names) == len(names) and all("#" not in h for h in held_names):
         columns = {name: i for i, name in enumerate(names)}  # another engine's names: by layer order
         _check_shapes(columns, held, shapes)
         return columns

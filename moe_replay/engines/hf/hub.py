@@ -24,7 +24,14 @@ from .discover import RouterSite, find_routers
 from .facts import facts_for
 from .generation import PACKED_GENERATION, check_generation, eos_token_ids, refuse_packed, setting
 from .patch import MARKER, Patches, patched_by
-from .recompute import Pending, RecomputeQueue, fingerprint, in_backward, will_be_recomputed
+from .recompute import (
+    Pending,
+    RecomputeQueue,
+    fingerprint,
+    in_backward,
+    inside_reentrant_checkpoint,
+    will_be_recomputed,
+)
 from .selectors import selectors_for
 from .steps import Step, StepTracker
 
@@ -68,6 +75,9 @@ class RouterHub:
     def attach(cls, model: nn.Module, handler: Recorder | Replayer, *, replay: bool) -> RouterHub:
         """The model's hub (installed on first use), with `handler` added as a recorder or a replayer."""
         hub = model.__dict__.get(MARKER)
+        if hub is not None and (hub.model is not model or not len(hub._patches)):
+            _drop_stale(model, hub)  # left on a shallow copy (copy.copy) of a hooked model
+            hub = None
         if hub is None:
             hub = cls(model)
             for site in hub.sites:
@@ -130,12 +140,18 @@ class RouterHub:
     def _step_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             tracker = self.tracker
-            if tracker.depth:  # an inner model called by the outer one: the same step
+            if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
                 return inner(*args, **kwargs)
-            tracker.begin(inner, args, kwargs).synced = self._synced
+            step = tracker.begin(inner, args, kwargs)
+            step.synced = self._synced
+            step.grad = step.grad or inside_reentrant_checkpoint()  # a checkpoint around the whole model
             tracker.depth += 1
             try:
                 return inner(*args, **kwargs)
+            except BaseException:
+                for queue in self.pending:  # a forward that raised is never backwarded
+                    queue.drop(step=step)
+                raise
             finally:
                 tracker.depth -= 1
                 tracker.current = None
@@ -276,6 +292,14 @@ class RouterHub:
     def _record(self, call: RouterCall, indices: torch.Tensor) -> None:
         for rec in self.recorders:
             rec.record(call.layer, call.step, indices, call.num_experts)
+
+
+def _drop_stale(model: nn.Module, hub: RouterHub) -> None:
+    """Remove what a hub that is not this model's (a shallow copy shares the original's instance attributes) left in
+    `model.__dict__`: its marker, patched methods and copy hook."""
+    for attr, value in list(model.__dict__.items()):
+        if attr in (MARKER, "__deepcopy__") or patched_by(value) is hub:
+            del model.__dict__[attr]
 
 
 def _outputs(output: Any) -> tuple | list:

@@ -3,24 +3,30 @@
 A router call will be recomputed when it runs inside a checkpoint, whatever put the checkpoint there (transformers'
 gradient checkpointing, `torch.utils.checkpoint`, torch's `checkpoint_wrapper` / `apply_activation_checkpointing`,
 the composable `torch.distributed._composable.checkpoint`): a reentrant checkpoint runs its first forward without
-grad inside a forward that has grad; a non-reentrant one runs it under its own saved-tensor hooks. Such a call
-queues its plan. A recompute is a router call while autograd runs a backward; it takes the plan of the forward it
-recomputes: the only forward with plans waiting, or else the one whose router input it reproduces bit for bit
-(recompute re-runs the same ops on the same inputs), in any backward order.
+grad inside a `CheckpointFunction.forward`; a non-reentrant one runs it under its own saved-tensor hooks. Such a call
+queues its plan with a fingerprint of the router's input. A recompute is a router call while autograd runs a backward;
+it takes the queued call whose input it reproduces, in any backward order (nested replays, gradient accumulation,
+looped layers inside one checkpoint), and keeps it for a later recompute of the same call (`retain_graph=True`,
+nested checkpoints). A recompute that matches no queued call, or several with different plans, raises.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import ReplayError
 from .call import Plan
 from .steps import Step
 
-FINGERPRINT = 64  # elements of the router input kept per queued call to tell forwards apart
+FINGERPRINT = 64  # elements of the router input kept per queued call to tell calls apart
+KEEP_DONE = 16  # recomputed calls kept per router for a second recompute (retain_graph, nested checkpoints)
+MATCH_RTOL = 1e-3  # a recompute reproduces its forward's input up to nondeterministic kernels
+REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch's (and Megatron's, DeepSpeed's) reentrant checkpoint
 
 
 def in_backward() -> bool:
@@ -28,24 +34,38 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def inside_reentrant_checkpoint() -> bool:
+    """Whether a reentrant checkpoint's first forward (`CheckpointFunction.forward`) is on the call stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_qualname == REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def will_be_recomputed(step: Step) -> bool:
     """Whether a router call now, in the forward `step`, runs inside an activation checkpoint."""
     if not step.grad:
-        return False  # a forward without grad has no backward
+        return False  # a forward without grad (and not inside a reentrant checkpoint) has no backward
     if not torch.is_grad_enabled():
-        return True  # a reentrant checkpoint's first forward
+        return inside_reentrant_checkpoint()  # else user code under no_grad: never recomputed
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     pack = hooks[0] if hooks is not None else None
     return getattr(pack, "__module__", "") == "torch.utils.checkpoint" and "_checkpoint_hook" in pack.__qualname__
 
 
 def fingerprint(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """A few evenly spaced elements of the call's first tensor input (a copy), or None without one."""
+    """A few evenly spaced elements of the call's first tensor input (a float32 copy), or None without one.
+
+    Its ops run outside any dispatch mode, so that selective activation checkpointing neither saves nor expects them.
+    """
     x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if x is None or x.numel() == 0:
         return None
-    flat = x.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // FINGERPRINT)][:FINGERPRINT].clone()
+    with _disable_current_modes(), torch.no_grad():
+        flat = x.detach().reshape(-1)
+        return flat[:: max(1, flat.numel() // FINGERPRINT)][:FINGERPRINT].float().clone()
 
 
 @dataclass
@@ -60,11 +80,12 @@ class Pending:
 
 
 class RecomputeQueue:
-    """The queued calls of one router, oldest first."""
+    """The queued calls of one router, oldest first, and those already recomputed (kept for a second recompute)."""
 
     def __init__(self, router: str) -> None:
         self.router = router
         self.items: list[Pending] = []
+        self.done: list[Pending] = []
 
     def add(self, item: Pending) -> None:
         self.items.append(item)
@@ -72,37 +93,57 @@ class RecomputeQueue:
     def count(self, replayer: Any) -> int:
         return sum(p.replayer is replayer for p in self.items)
 
-    def drop(self, replayer: Any) -> None:
-        self.items = [p for p in self.items if p.replayer is not replayer]
+    def drop(self, replayer: Any = None, step: Step | None = None) -> None:
+        """Forget the calls of `replayer` (its context closed) or of `step` (its forward raised)."""
+
+        def keep(p: Pending) -> bool:
+            return p.replayer is not replayer if step is None else p.step is not step
+
+        self.items = [p for p in self.items if keep(p)]
+        self.done = [p for p in self.done if keep(p)]
 
     def take(self, args: tuple, kwargs: dict) -> Pending | None:
-        """The queued call a recompute with these inputs re-runs (None: its forward routed live)."""
-        if not self.items:
+        """The queued call a recompute with these inputs re-runs; None when nothing was queued at all."""
+        if not self.items and not self.done:
             return None
-        latest = {id(p.step): k for k, p in enumerate(self.items)}  # within a forward, the latest call first
-        if len(latest) == 1:
-            return self.items.pop()
         fp = fingerprint(args, kwargs)
-        hits = [k for k in latest.values() if _same(self.items[k].fingerprint, fp)]
-        if not hits or (len(hits) > 1 and not _equal_plans([self.items[k].plan for k in hits])):
-            raise ReplayError(
-                f"router {self.router!r} is recomputed in the backward while {len(latest)} replayed forwards wait for "
-                f"their recompute, and its input matches {len(hits)} of them: cannot tell which forward it re-runs "
-                "(recompute differs from the forward: nondeterministic kernels?); run each backward before the next "
-                "forward"
-            )
-        return self.items.pop(hits[-1])
+        for pool, first in ((self.items, True), (self.done, False)):
+            hits = [k for k, p in enumerate(pool) if _close(p.fingerprint, fp)]
+            if not hits:
+                continue
+            if len(hits) > 1 and not _equal_plans([pool[k].plan for k in hits]):
+                raise ReplayError(
+                    f"router {self.router!r} is recomputed in the backward and its input matches {len(hits)} waiting "
+                    "replayed calls with different routes: cannot tell which forward it re-runs; run each backward "
+                    "before the next forward"
+                )
+            if not first:
+                return pool[hits[-1]]
+            item = pool.pop(hits[0])  # the oldest: a checkpoint re-runs its calls in forward order
+            self.done = [*self.done[-(KEEP_DONE - 1) :], item]
+            return item
+        raise ReplayError(
+            f"router {self.router!r} is recomputed in the backward but its input matches none of the "
+            f"{len(self.items)} replayed calls waiting for their recompute: cannot tell which forward it re-runs "
+            "(the model or its inputs changed since the forward?)"
+        )
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    return a is not None and b is not None and a.shape == b.shape and bool(torch.equal(a, b.to(a.device)))
+def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None or a.shape != b.shape:
+        return False
+    with _disable_current_modes(), torch.no_grad():
+        b = b.to(a.device)
+        scale = float(a.abs().max()) or 1.0
+        return float((a - b).abs().max()) <= MATCH_RTOL * scale
 
 
 def _equal_plans(plans: list[Plan]) -> bool:
     first = plans[0]
-    return all(
-        p.indices.shape == first.indices.shape
-        and torch.equal(p.indices, first.indices)
-        and torch.equal(p.mask, first.mask)
-        for p in plans[1:]
-    )
+    with _disable_current_modes():
+        return all(
+            p.indices.shape == first.indices.shape
+            and torch.equal(p.indices, first.indices)
+            and torch.equal(p.mask, first.mask)
+            for p in plans[1:]
+        )

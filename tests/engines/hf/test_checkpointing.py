@@ -197,3 +197,131 @@ def test_a_checkpoint_that_is_not_recognised_is_an_error_not_a_live_recompute(se
     with pytest.raises(ReplayError, match="no replayed forward awaits it"):
         with replay_routes(model, routes):
             model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+
+
+class Toggle(nn.Module):
+    """A checkpoint that can be switched off (the reference run), around any module."""
+
+    def __init__(self, inner: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant, self.on = inner, reentrant, False
+
+    def forward(self, *args, **kwargs):
+        if not self.on:
+            return self.inner(*args, **kwargs)
+        return checkpoint(partial(self.inner, **kwargs), *args, use_reentrant=self.reentrant)
+
+
+class Twice(nn.Module):
+    """A looped layer: the same decoder layer run twice (its router is recorded as `name` and `name#1`)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden, *args, **kwargs):
+        return self.layer(self.layer(hidden, *args, **kwargs), *args, **kwargs)
+
+
+def replayed_grads(model, ids, mask, routes, *, retain=False):
+    model.zero_grad(set_to_none=True)
+    with replay_routes(model, routes):
+        loss = model(ids, attention_mask=mask, labels=ids, use_cache=False).loss
+        loss.backward(retain_graph=retain)
+        if retain:  # a second backward through the same graph recomputes again
+            loss.backward()
+    return summed(model)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_looped_layer_inside_one_checkpoint_and_a_second_backward(reentrant):
+    """One checkpoint re-runs a looped router's two calls in forward order, each with its own plan; a second
+    backward (retain_graph) recomputes them again (found by review: the plans were swapped, 12 of 25 gradients)."""
+    model = tiny_qwen3_moe(layers=2)
+    model.model.layers[0] = Toggle(Twice(model.model.layers[0]), reentrant)
+    ids, mask = left_padded(2, 6, [0, 0])
+    routes = recorded(model, ids, mask)
+    assert routes.layer_names[:2] == ["model.layers.0.inner.layer.mlp.gate", "model.layers.0.inner.layer.mlp.gate#1"]
+    perturb(model)
+    model.train()
+    for retain in (False, True):
+        expected = replayed_grads(model, ids, mask, routes, retain=retain)
+        model.model.layers[0].on = True
+        assert_same_grads(replayed_grads(model, ids, mask, routes, retain=retain), expected)
+        model.model.layers[0].on = False
+
+
+def test_no_grad_inside_a_forward_is_not_a_checkpoint_and_a_raised_forward_leaves_nothing_waiting(setup):
+    """A frozen layer run under torch.no_grad() inside a forward with grad is not recomputed: nothing may wait for
+    it at exit. A forward that raised under checkpointing is never backwarded: nothing of it may wait either."""
+    model, ids, mask, routes = setup
+    model = copy.deepcopy(model)
+
+    class Frozen(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            with torch.no_grad():
+                return self.inner(*args, **kwargs)
+
+    frozen = copy.deepcopy(model)
+    frozen.model.layers[0] = Frozen(frozen.model.layers[0])
+    replayed_grads(frozen, ids, mask, recorded(frozen, ids, mask))  # exits cleanly
+    hf_flag(model, reentrant=False)
+    boom = model.model.layers[2].register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with replay_routes(model, routes):
+        with pytest.raises(RuntimeError, match="boom"):
+            model(ids, attention_mask=mask, labels=ids)
+        boom.remove()
+        model(ids, attention_mask=mask, labels=ids).loss.backward()  # the retry; the context then exits cleanly
+
+
+def test_a_recompute_of_a_forward_outside_the_replay_is_refused(setup):
+    """A checkpointed forward run live before the context, backwarded inside it, must not take the plan of the
+    context's own waiting forward (found by review: all 36 gradients wrong, no error)."""
+    model, ids, mask, routes = setup
+    model = copy.deepcopy(model)
+    hf_flag(model, reentrant=False)
+    other = ids.flip(0)
+    live = model(other, attention_mask=mask.flip(0), labels=other).loss
+    with pytest.raises(ReplayError, match="matches none of the 1 replayed calls"):
+        with replay_routes(model, routes):
+            model(ids, attention_mask=mask, labels=ids)
+            live.backward()
+
+
+def test_selective_activation_checkpointing_and_a_checkpoint_around_the_whole_model(setup):
+    """torch's selective activation checkpointing (a policy that saves some ops) and a reentrant checkpoint around
+    the whole model call: the recompute replays the forward's plan."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    model, ids, mask, routes = setup
+    model = copy.deepcopy(model)
+    expected = replayed_grads(model, ids, mask, routes)
+
+    def policy(ctx, op, *args, **kwargs):
+        saved = (torch.ops.aten.topk.default, torch.ops.aten.mm.default)
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    for layer in model.model.layers:
+        layer.forward = partial(
+            checkpoint,
+            layer.forward,
+            use_reentrant=False,
+            context_fn=partial(create_selective_checkpoint_contexts, policy),
+        )
+    assert_same_grads(replayed_grads(model, ids, mask, routes), expected)
+    whole = copy.deepcopy(setup[0])
+    whole.model.embed_tokens.weight.requires_grad_(True)
+    whole.zero_grad(set_to_none=True)
+    with replay_routes(whole, routes):
+        embeds = whole.model.embed_tokens(ids)  # a reentrant checkpoint needs an input that requires grad
+        loss = checkpoint(
+            lambda e: whole(inputs_embeds=e, attention_mask=mask, labels=ids, use_cache=False).loss,
+            embeds,
+            use_reentrant=True,
+        )
+        loss.backward()
+    assert_same_grads(summed(whole), expected)

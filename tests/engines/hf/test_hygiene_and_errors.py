@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PAD, hook_count, left_padded, recorded, tiny_qwen3_moe
+from helpers import PAD, hook_count, left_padded, perturb, recorded, tiny_qwen3_moe
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from moe_replay import (
@@ -171,3 +171,19 @@ def test_deepcopy_inside_a_context_gives_a_clean_independent_model(qwen):
         inner(ids, attention_mask=mask)
     got, want = rec_inner.routes, rec.routes  # the inner copy routes like the original (names lack "model.")
     assert torch.equal(got.indices, want.indices) and torch.equal(got.mask, want.mask)
+
+
+def test_a_shallow_copy_made_inside_a_context_is_not_left_with_a_dead_hub(qwen):
+    """copy.copy shares the instance's patched methods and hub marker; a later context on the copy drops them and
+    hooks it afresh (found by review: the copy's replay routed live until the exit check)."""
+    import copy
+
+    ids, mask = left_padded(2, 6, [0, 1])
+    routes = recorded(qwen, ids, mask)
+    perturb(qwen)
+    with replay_routes(qwen, routes):
+        want = qwen(ids, attention_mask=mask).logits
+        shallow = copy.copy(qwen)
+    with replay_routes(shallow, routes):
+        assert torch.equal(shallow(ids, attention_mask=mask).logits, want)
+    assert hook_count(shallow) == 0 and "_moe_replay_hub" not in shallow.__dict__
