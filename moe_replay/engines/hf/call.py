@@ -60,11 +60,10 @@ class RouterCall:
                 f"E={plan.num_experts} for it"
             )
         if not any(s.applied() for s in self.selectors):
-            seen = "; ".join(d for d in (s.describe() for s in self.selectors) if d)
             raise ReplayError(
                 f"replay could not be applied at {self.layer!r} ({type(self.site.router).__name__}): the routes hold "
                 f"k={plan.top_k} of E={plan.num_experts} experts for each of the forward's {self.step.tokens} "
-                f"tokens, but {seen}"
+                f"tokens, but {self._seen()}"
             )
 
     def selected(self) -> tuple[torch.Tensor, bool]:
@@ -73,11 +72,13 @@ class RouterCall:
             found = selector.picked()
             if found is not None:
                 return found
-        seen = "; ".join(d for d in (s.describe() for s in self.selectors) if d)
         raise ReplayError(
             f"could not record {self.layer!r} ({type(self.site.router).__name__}): no selection over its "
-            f"E={self.num_experts} scores for each of the forward's {self.step.tokens} tokens was seen ({seen})"
+            f"E={self.num_experts} scores for each of the forward's {self.step.tokens} tokens was seen ({self._seen()})"
         )
+
+    def _seen(self) -> str:
+        return "; ".join(d for d in (s.describe() for s in self.selectors) if d)
 
 
 class InterceptMode(TorchFunctionMode):

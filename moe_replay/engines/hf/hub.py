@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...errors import NestedContextError, ReplayError
+from ..autograd import in_backward
 from .call import InterceptMode, Plan, RouterCall
 from .discover import RouterSite, find_routers
 from .facts import facts_for
@@ -28,8 +29,6 @@ from .recompute import (
     Pending,
     RecomputeQueue,
     fingerprint,
-    in_backward,
-    inside_reentrant_checkpoint,
     will_be_recomputed,
 )
 from .selectors import selectors_for
@@ -144,7 +143,6 @@ class RouterHub:
                 return inner(*args, **kwargs)
             step = tracker.begin(inner, args, kwargs)
             step.synced = self._synced
-            step.grad = step.grad or inside_reentrant_checkpoint()  # a checkpoint around the whole model
             tracker.depth += 1
             try:
                 return inner(*args, **kwargs)

@@ -29,11 +29,6 @@ MATCH_RTOL = 1e-3  # a recompute reproduces its forward's input up to nondetermi
 REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch's (and Megatron's, DeepSpeed's) reentrant checkpoint
 
 
-def in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (where checkpoints recompute their forward)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 def inside_reentrant_checkpoint() -> bool:
     """Whether a reentrant checkpoint's first forward (`CheckpointFunction.forward`) is on the call stack."""
     frame = sys._getframe(1)
@@ -46,8 +41,10 @@ def inside_reentrant_checkpoint() -> bool:
 
 def will_be_recomputed(step: Step) -> bool:
     """Whether a router call now, in the forward `step`, runs inside an activation checkpoint."""
+    if step.grad is None:  # began without grad: only a reentrant checkpoint around the whole model recomputes it
+        step.grad = inside_reentrant_checkpoint()  # looked up once per forward, and only for a replayed one
     if not step.grad:
-        return False  # a forward without grad (and not inside a reentrant checkpoint) has no backward
+        return False
     if not torch.is_grad_enabled():
         return inside_reentrant_checkpoint()  # else user code under no_grad: never recomputed
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -13,8 +13,8 @@ import torch
 class Step:
     """One top-level forward: `batch` rows at positions [start, start + length) of stream `stream`.
 
-    `real` is bool [B, length], False at padding (attention mask 0). `grad` says whether grad was enabled when the
-    forward began (only then can a backward recompute its router calls).
+    `real` is bool [B, length], False at padding (attention mask 0). `grad` is True when grad was enabled as the
+    forward began, else None until a replayed router call asks whether a reentrant checkpoint surrounds the forward.
     """
 
     stream: int
@@ -22,7 +22,7 @@ class Step:
     start: int
     length: int
     real: torch.Tensor
-    grad: bool = False
+    grad: bool | None = None
     synced: bool = False  # inside generate(synced_gpus=True)
 
     @property
@@ -90,5 +90,5 @@ class StepTracker:
             real = mask[:, -t:].to(torch.bool)
         else:
             real = torch.ones(B, t, dtype=torch.bool, device=tokens.device)
-        self.current = Step(self.stream, B, start, t, real, grad=torch.is_grad_enabled())
+        self.current = Step(self.stream, B, start, t, real, grad=True if torch.is_grad_enabled() else None)
         return self.current

@@ -43,11 +43,6 @@ def is_megatron_model(model: nn.Module) -> bool:
     return any(type(m).__module__.startswith("megatron.") for m in model.modules())
 
 
-def in_backward() -> bool:
-    """True inside the autograd engine, where activation recompute re-runs the forward of checkpointed layers."""
-    return torch._C._current_graph_task_id() != -1
-
-
 @dataclass
 class Site:
     """One router of the model and the replay bookkeeping of the open context."""

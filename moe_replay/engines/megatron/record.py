@@ -12,7 +12,8 @@ from torch import nn
 
 from ...errors import ReplayError
 from ...routes import Routes, index_dtype
-from .context import RouterReplayContext, Site, in_backward, tp_split
+from ..autograd import in_backward
+from .context import RouterReplayContext, Site, tp_split
 
 
 class MegatronRouteRecorder(RouterReplayContext):

@@ -16,7 +16,8 @@ from torch import nn
 from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import Routes
-from .context import RouterReplayContext, Site, in_backward, tp_split
+from ..autograd import in_backward
+from .context import RouterReplayContext, Site, tp_split
 from .rows import routes_to_rows
 
 
