@@ -109,3 +109,25 @@ def spread_routers(model: nn.Module, std: float) -> None:
             raise ValueError(f"{type(model).__name__} has no parameter named '*.{ROUTER_WEIGHT}' to re-draw")
         for p in found:
             p.normal_(0, std)
+
+
+TINY_CHARS = "0123456789+-*= abcdefghijklmnopqrstuvwxyz"  # ids 3.. (0 pad, 1 eos, 2 bos): 44 ids, under TINY vocab 64
+
+
+def tiny_tokenizer() -> Any:
+    """A character-level `PreTrainedTokenizerFast` built offline (pad 0, eos 1, bos 2, then `TINY_CHARS`), for
+    the tiny models of `tiny_moe` (vocab 64) in trainers that need a tokenizer, such as TRL's.
+
+    Example:
+        >>> tok = tiny_tokenizer()
+        >>> tok("1+2=").input_ids, tok.decode([4, 13, 5, 16])
+        ([4, 13, 5, 16], '1+2=')
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: i + 3 for i, c in enumerate(TINY_CHARS)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")

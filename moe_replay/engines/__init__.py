@@ -30,11 +30,12 @@ def record_routes(model: nn.Module) -> hf.RouteRecorder | megatron.MegatronRoute
 
 
 def replay_routes(
-    model: nn.Module, routes: Routes | Sequence[Routes]
+    model: nn.Module, routes: Routes | Sequence[Routes], *, track_live: bool = False
 ) -> hf.RouteReplayer | megatron.MegatronRouteReplayer:
     """Force every router of `model` to select the experts in `routes` while the context is open (forward, and
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
-    `record_routes`; a list of `Routes` (one per micro-batch forward) is for megatron-core models.
+    `record_routes`; a list of `Routes` (one per micro-batch forward) is for megatron-core models. `track_live`
+    (Hugging Face models) also counts how many replayed experts live routing would have changed.
 
     Example:
         >>> with replay_routes(model, routes):  # doctest: +SKIP
@@ -42,5 +43,7 @@ def replay_routes(
         ...     loss.backward()
     """
     if megatron.is_megatron_model(model):
+        if track_live:
+            raise ValueError("track_live is supported on Hugging Face models, not on megatron-core models")
         return megatron.replay_routes(model, routes)
-    return hf.replay_routes(model, routes)
+    return hf.replay_routes(model, routes, track_live=track_live)

@@ -17,13 +17,18 @@ from .steps import Step
 
 @dataclass
 class Plan:
-    """The routes one router call must use: `indices` [N, K] int64, `mask` [N] bool (False routes live)."""
+    """The routes one router call must use: `indices` [N, K] int64, `mask` [N] bool (False routes live).
+
+    `on_live`, when set, is called once per forward call (not its recompute) with the experts the router would have
+    picked live and those it was given, both [N, K] (`replay_routes(..., track_live=True)`).
+    """
 
     indices: torch.Tensor
     mask: torch.Tensor
     num_experts: int
     top_k: int
     all_recorded: bool
+    on_live: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
 
 @dataclass

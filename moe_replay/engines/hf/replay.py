@@ -16,11 +16,16 @@ from .steps import Step
 class RouteReplayer:
     """Context manager returned by `replay_routes`."""
 
-    def __init__(self, model: nn.Module, routes: Routes) -> None:
+    def __init__(self, model: nn.Module, routes: Routes, *, track_live: bool = False) -> None:
         if not isinstance(routes, Routes):
             raise ValueError(f"replay_routes needs a Routes, got {type(routes).__name__}")
         self.model = model
         self.routes = routes
+        self.track_live = track_live
+        L = len(routes.layers)
+        # per layer: expert slots where the live pick differs from the replayed one, and replayed tokens compared
+        self._moved = torch.zeros(L, dtype=torch.int64, device=routes.device)
+        self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device)
         self._hub: RouterHub | None = None
         self._mask_cpu = routes.mask.cpu()
         self._covered = torch.zeros(routes.seq_len, len(routes.layers), dtype=torch.bool)
@@ -73,7 +78,31 @@ class RouteReplayer:
         mask = r.mask[:, step.start : end].reshape(step.tokens)
         self._covered[step.start : end, layer] = True
         all_recorded = bool(self._mask_cpu[:, step.start : end].all())
-        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded)
+        on_live = (lambda live, used: self._tally(layer, mask, live, used)) if self.track_live else None
+        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live)
+
+    def _tally(self, layer: int, mask: torch.Tensor, live: torch.Tensor, used: torch.Tensor) -> None:
+        """Count the replayed expert slots [N, K] the router would have picked otherwise (no host sync)."""
+        kept = (live[:, :, None] == used[:, None, :]).any(-1).sum(-1)  # [N] live picks among the used ones
+        mask = mask.to(kept.device)
+        self._moved[layer] += ((live.shape[-1] - kept) * mask).sum().to(self._moved.device)
+        self._compared[layer] += mask.sum().to(self._compared.device)
+
+    def live_moved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `track_live=True`: per layer, the replayed expert slots whose live pick differed, and the replayed
+        tokens compared, both int64 [L] (summed over the forwards so far; recomputes are not counted). The share
+        of routed choices that moved is `moved.sum() / (compared.sum() * K)`, as `ExpertChange.fraction` counts.
+
+        Group-limited routers (steered groups) and PhiMoE's sparsemixer are not compared (their counts stay 0).
+
+        Example:
+            >>> with replay_routes(model, routes, track_live=True) as ctx:  # doctest: +SKIP
+            ...     model(ids, attention_mask=mask)
+            >>> moved, compared = ctx.live_moved()  # doctest: +SKIP
+        """
+        if not self.track_live:
+            raise ValueError("live_moved() needs replay_routes(model, routes, track_live=True)")
+        return self._moved.clone(), self._compared.clone()
 
     def _check_consumed(self) -> None:
         needed = self._mask_cpu.any(0)  # [T]
@@ -88,17 +117,19 @@ class RouteReplayer:
             )
 
 
-def replay_routes(model: nn.Module, routes: Routes) -> RouteReplayer:
+def replay_routes(model: nn.Module, routes: Routes, *, track_live: bool = False) -> RouteReplayer:
     """Force every router of `model` to select the recorded experts at recorded positions (others route live).
 
     The selected experts come from `routes`; their weights are computed by the family's own rule from the live
     router scores, so the router still gets gradients. Replaying a model's own routes gives identical logits.
     Works with minibatch slices (`routes[idx]`), gradient checkpointing and a KV cache. Routes for another batch
     size, sequence length or layer set, and routes that were never used, raise `ReplayError` (a ValueError).
+    `track_live=True` also counts, at no host sync, how many replayed experts the router would have picked
+    otherwise (`RouteReplayer.live_moved`): how far live routing has moved from the routes.
 
     Example:
         >>> with replay_routes(model, routes):  # doctest: +SKIP
         ...     logits = model(sequences, attention_mask=mask).logits
         ...     loss.backward()
     """
-    return RouteReplayer(model, routes)
+    return RouteReplayer(model, routes, track_live=track_live)

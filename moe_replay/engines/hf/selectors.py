@@ -92,13 +92,24 @@ class TopK(Selector):
                 call.step.tokens * plan.num_experts,
             )
         ):
-            out = forced_topk(func, args, kwargs, x, plan)
+            out = forced_topk(func, args, kwargs, x, plan, observe=self._observes())
             self.replaced += 1
         else:
             out = func(*args, **kwargs)
         if last and (call.record or plan is not None):
             self.seen.append((x.shape[-1], k, x.numel(), out[1]))
         return out
+
+    def _observes(self) -> bool:
+        """Whether to report the live picks: a forward call (not its recompute) that no other selector steered."""
+        call = self.call
+        return (
+            call.plan is not None
+            and call.plan.on_live is not None
+            and not call.recompute
+            and self.replaced == 0
+            and not any(getattr(s, "steered", 0) for s in call.selectors)
+        )
 
     @property
     def active(self) -> bool:
@@ -164,13 +175,20 @@ class GroupTopK(Selector):
         return self.steered > 0
 
 
-def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan) -> Any:
-    """`topk(x)` that returns the plan's experts with values gathered from `x` (live where the plan's mask is False)."""
+def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan, observe: bool = False) -> Any:
+    """`topk(x)` that returns the plan's experts with values gathered from `x` (live where the plan's mask is False);
+    with `observe`, hands the live and the forced picks to `plan.on_live`."""
     shape = (*x.shape[:-1], plan.top_k)
     idx = plan.indices.to(x.device).reshape(shape)
+    live = None
     if not plan.all_recorded:
         live = func(*args, **kwargs)[1]
         idx = torch.where(plan.mask.to(x.device).reshape(*x.shape[:-1], 1), idx, live)
+    if observe:
+        if live is None:  # only to observe: no grad, so a checkpoint's recompute saves the same tensors as the forward
+            with torch.no_grad():
+                live = func(*args, **kwargs)[1]
+        plan.on_live(live.reshape(-1, plan.top_k), idx.reshape(-1, plan.top_k))
     return torch.return_types.topk((x.gather(-1, idx), idx))
 
 

@@ -1,0 +1,127 @@
+"""Routes recorded while TRL generated, laid out exactly as TRL lays out its batch, with every step checked.
+
+TRL (1.16, `GRPOTrainer._generate_single_turn` and `_generate_and_score_completions`) keeps each completion up to
+and including its first EOS, pads prompts on the left and completions on the right (each to a multiple of
+`pad_to_multiple_of`), and concatenates them: row i of its [B, P + C] batch holds prompt i at positions
+P - lp_i .. P - 1 and completion i at P .. P + lc_i - 1. `generate` saw the same prompts padded the same way, so
+its routes hold row i's decisions at positions P_gen - lp_i .. P_gen + lc_i - 2 (the last token is never an input).
+
+Shape legend: B rows, T positions, L MoE layers, K experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...errors import ReplayError
+from ...routes import Routes
+
+
+def recorded_span(
+    prompt_lens: Sequence[int], completion_lens: Sequence[int], prompt_width: int, width: int
+) -> torch.Tensor:
+    """bool [B, width]: the positions whose routes a generation records in a layout whose prompts are left-padded
+    to `prompt_width`: from each row's first prompt token up to, not including, its last completion token.
+
+    Example:
+        >>> recorded_span([2], [3], prompt_width=4, width=7).int().tolist()
+        [[0, 0, 1, 1, 1, 1, 0]]
+    """
+    pos = torch.arange(width)
+    lp = torch.as_tensor(list(prompt_lens))[:, None]
+    lc = torch.as_tensor(list(completion_lens))[:, None]
+    return (pos >= prompt_width - lp) & (pos < prompt_width + lc - 1)
+
+
+def routes_for_batch(
+    routes: Routes,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    input_ids: torch.Tensor,
+    completion_width: int,
+) -> Routes:
+    """Lay routes recorded under `generate` [B, P_gen + C_gen] out as TRL's batch `input_ids` [B, P + C], whose last
+    `completion_width` (C) positions are the completions; raise `ReplayError` if anything does not line up.
+
+    Checks, each naming both sides: the recorded positions are exactly those of the prompts and completions TRL
+    kept (a one-position shift, or a generation that ended elsewhere than TRL cut, fails here), and `input_ids` holds
+    those prompts and completions where this layout puts them (a change of TRL's layout fails here).
+
+    Example:
+        >>> rows = routes_for_batch(rec.routes, prompt_ids, completion_ids, input_ids, logits_to_keep)  # doctest: +SKIP
+    """
+    B = routes.batch_size
+    if not (len(prompt_ids) == len(completion_ids) == B == input_ids.shape[0]):
+        raise ReplayError(
+            f"generate recorded B={B} rows but TRL's batch has {len(prompt_ids)} prompts, {len(completion_ids)} "
+            f"completions and {input_ids.shape[0]} rows of input_ids"
+        )
+    lp = [len(p) for p in prompt_ids]
+    lc = [len(c) for c in completion_ids]
+    width = input_ids.shape[1]
+    prompt_width = width - completion_width
+    check_tokens(input_ids, prompt_ids, completion_ids, prompt_width)
+    gen_prompt = routes.seq_len - max(lc, default=0)  # generate ran until its longest completion ended
+    expected = recorded_span(lp, lc, gen_prompt, routes.seq_len)
+    got = routes.mask.cpu()
+    if not torch.equal(expected, got):
+        i = int((expected != got).any(1).nonzero()[0])
+        raise ReplayError(
+            f"routes recorded under generate do not line up with TRL's row {i}: they cover positions "
+            f"{_span(got[i])} but its {lp[i]} prompt and {lc[i]} completion tokens need {_span(expected[i])} "
+            f"(generate's prompt width {gen_prompt}, T={routes.seq_len})"
+        )
+    shift = prompt_width - gen_prompt
+    lo, hi = max(0, -shift), min(routes.seq_len, width - shift)
+    L, K = len(routes.layers), routes.top_k
+    indices = routes.indices.new_zeros((B, width, L, K))
+    mask = routes.mask.new_zeros((B, width))
+    if lo < hi:
+        indices[:, lo + shift : hi + shift] = routes.indices[:, lo:hi]
+        mask[:, lo + shift : hi + shift] = routes.mask[:, lo:hi]
+    if int(mask.sum()) != int(routes.mask.sum()):
+        raise ReplayError(
+            f"TRL's batch of width {width} (prompts {prompt_width}) cannot hold every recorded position of "
+            f"generate's T={routes.seq_len} (prompts {gen_prompt})"
+        )
+    return Routes(indices, mask, routes.layers)
+
+
+def check_tokens(
+    input_ids: torch.Tensor,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    prompt_width: int,
+) -> None:
+    """Raise `ReplayError` unless `input_ids` [B, P + C] holds prompt i left-padded to P = `prompt_width` and
+    completion i right after it, in every row.
+
+    Example:
+        >>> check_tokens(torch.tensor([[0, 5, 6, 7, 0]]), [[5, 6]], [[7]], prompt_width=3)
+    """
+    B, width = input_ids.shape
+    expected = torch.full((B, width), -1, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        if len(p) > prompt_width or prompt_width + len(c) > width:
+            raise ReplayError(
+                f"row {i}: {len(p)} prompt and {len(c)} completion tokens do not fit TRL's batch of width {width} "
+                f"with {prompt_width} prompt positions"
+            )
+        expected[i, prompt_width - len(p) : prompt_width] = torch.as_tensor(list(p), dtype=torch.long)
+        expected[i, prompt_width : prompt_width + len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+    known = expected >= 0
+    bad = known & (expected != input_ids.cpu().long())
+    if bad.any():
+        i, t = (int(v) for v in bad.nonzero()[0])
+        raise ReplayError(
+            f"TRL's batch does not hold the generated tokens where the routes expect them: row {i}, position {t} "
+            f"holds token {int(input_ids[i, t])} but generation gave {int(expected[i, t])} there (prompts "
+            f"left-padded to {prompt_width}, completions after them)"
+        )
+
+
+def _span(mask: torch.Tensor) -> str:
+    pos = mask.nonzero().flatten().tolist()
+    return f"{pos[0]}..{pos[-1]}" if pos else "no positions"

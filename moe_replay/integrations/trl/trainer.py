@@ -1,0 +1,259 @@
+"""`RoutingReplayGRPOTrainer`: TRL's `GRPOTrainer` with Routing Replay, one argument away.
+
+TRL methods overridden (TRL 1.16): `_generate_single_turn` (record while generating), `_generate_and_score_completions`
+(attach the routes to the batch), `_get_per_token_logps_and_entropies` (replay or record the old-log-prob pass),
+`compute_loss` and `training_step` (replay the loss forward and keep the replay open through the backward). The
+routes travel inside TRL's batch dict as two tensors (`routing_indices` [B, P + C, L, K], `routing_mask` [B, P + C]),
+so TRL's own shuffling, splitting into `steps_per_generation` buffers and gradient accumulation move them with their
+rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from ...engines import record_routes, replay_routes
+from ...errors import ReplayError
+from ...routes import LayerInfo, Routes
+from .layout import routes_for_batch
+
+MODES = (None, "rollout", "old_logprob")
+INDICES, MASK = "routing_indices", "routing_mask"  # the batch keys that carry the routes
+
+
+class RoutingReplayGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` that replays the routes of an MoE policy in its old-log-prob and loss forwards.
+
+    `routing_replay`:
+    - `"rollout"` (R3): record the experts while TRL generates; the old-log-prob and loss forwards replay them.
+    - `"old_logprob"` (R2, the GSPO paper's Routing Replay): record them in the old-log-prob forward; the loss
+      forwards replay them. TRL computes old log-probs only off-policy (`num_iterations > 1`, or
+      `steps_per_generation > gradient_accumulation_steps`); otherwise this mode raises at init.
+    - `None`: exactly `trl.GRPOTrainer`.
+
+    The reference model's forward (β ≠ 0, also PEFT's adapter-disabled reference) routes live: the KL term compares
+    to the reference policy as it is, and the routes are the current policy's. Every other argument is
+    `GRPOTrainer`'s. Logged next to TRL's metrics: `routing/routes_moved_since_rollout` (share of replayed expert
+    choices that each router, on its input in the replayed loss forward, would have chosen otherwise) and, with
+    `"rollout"` when TRL computes old log-probs, `routing/mismatch/fraction` (the same in the old-log-prob forward at
+    the sampling weights: the sampler/trainer routing mismatch).
+
+    Refused with a ValueError: `use_vllm`, continuous batching, tools / environments, a custom `rollout_func`, and
+    multimodal inputs.
+
+    Example:
+        >>> trainer = RoutingReplayGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(num_iterations=2),
+        ...                                    train_dataset=ds, processing_class=tok, routing_replay="rollout")
+        >>> trainer.train()  # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, routing_replay: str | None = None, **kwargs: Any) -> None:
+        if routing_replay not in MODES:
+            raise ValueError(f"routing_replay must be one of {MODES}, got {routing_replay!r}")
+        self.routing_replay = routing_replay
+        self._rr_generated: tuple | None = None  # (routes under generate, prompt ids, completion ids)
+        self._rr_rows: Routes | None = None  # the routes of the batch being generated, in TRL's layout
+        self._rr_layers: tuple[LayerInfo, ...] | None = None
+        self._rr_phase: str | None = None
+        self._rr_stack: contextlib.ExitStack | None = None
+        self._rr_open: list = []
+        if routing_replay is not None:
+            given = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+            refuse_arguments(given)
+            if given.get("args") is not None:
+                refuse_settings(given["args"], routing_replay)
+        super().__init__(*args, **kwargs)
+        if routing_replay is not None:
+            refuse_settings(self.args, routing_replay)
+
+    # ---- generation ----------------------------------------------------------------------------------------------
+    def _generate_single_turn(self, prompt_ids, images, fields, num_generations, has_tool_images=False):  # noqa: ANN001, ANN202
+        if self.routing_replay != "rollout":
+            return super()._generate_single_turn(prompt_ids, images, fields, num_generations, has_tool_images)
+        with record_routes(self._core(self.model)) as rec:
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, fields, num_generations, has_tool_images
+            )
+        if len(rec.batches) != 1:
+            raise ReplayError(f"expected one generate call to record, got {len(rec.batches)}")
+        self._rr_generated = (rec.routes, prompt_ids, completion_ids)
+        return completion_ids, logprobs
+
+    def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
+        if self.routing_replay is None:
+            return super()._generate_and_score_completions(inputs)
+        if inputs and ("image" in inputs[0] or "images" in inputs[0]):
+            raise ValueError("routing_replay does not support multimodal inputs (the batch has images) yet")
+        self._rr_generated, self._rr_rows, self._rr_phase = None, None, "generation"
+        try:
+            out = super()._generate_and_score_completions(inputs)
+            if self._rr_rows is None:  # no old-log-prob pass ran (on-policy settings)
+                ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+                self._rr_rows = self._rollout_rows(ids, out["completion_ids"].shape[1])
+            rows = self._rr_rows
+        finally:
+            self._rr_generated, self._rr_rows, self._rr_phase = None, None, None
+        out[INDICES], out[MASK] = rows.indices, rows.mask
+        return out
+
+    def _rollout_rows(self, input_ids: torch.Tensor, logits_to_keep: int) -> Routes:
+        if self._rr_generated is None:
+            raise ReplayError("routing_replay='rollout' found no routes recorded while TRL generated")
+        routes, prompt_ids, completion_ids = self._rr_generated
+        rows = routes_for_batch(routes, prompt_ids, completion_ids, input_ids, logits_to_keep)
+        self._rr_layers = rows.layers
+        return rows.to(input_ids.device)
+
+    # ---- log-prob passes ----------------------------------------------------------------------------------------
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kw
+    ):  # noqa: ANN001, ANN202, E501
+        if self.routing_replay is None or self._rr_phase != "generation" or not self._is_policy(model):
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, **kw
+            )
+        if self._rr_rows is not None:
+            raise ReplayError(
+                "a second policy log-prob pass over one generation: routing replay cannot tell them apart"
+            )  # noqa: E501
+        extra = sorted(k for k, v in kw.items() if v is not None and k not in ("compute_entropy", "compute_aux_loss"))
+        if extra:
+            raise ValueError(f"routing_replay does not support the model inputs {extra} (multimodal) yet")
+        rollout = self.routing_replay == "rollout"
+        rows = self._rollout_rows(input_ids, logits_to_keep) if rollout else None
+        size, core = batch_size or input_ids.shape[0], self._core(model)
+        parts, recorded, moved = [], [], []
+        for start in range(0, input_ids.shape[0], size):
+            chunk = slice(start, start + size)
+            ctx = replay_routes(core, rows[chunk], track_live=True) if rollout else record_routes(core)
+            with ctx:
+                parts.append(
+                    super()._get_per_token_logps_and_entropies(
+                        model, input_ids[chunk], attention_mask[chunk], logits_to_keep, None, **kw
+                    )
+                )
+            if rollout:
+                moved.append(ctx.live_moved())
+            else:
+                recorded.append(ctx.routes)
+        if rollout:
+            self._log_moved("routing/mismatch/fraction", moved, rows.top_k)
+        else:
+            rows = last_token_live(Routes.cat(recorded), attention_mask)
+            self._rr_layers = rows.layers
+        self._rr_rows = rows
+        logps = torch.cat([p[0] for p in parts])
+        entropies = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
+        aux = torch.stack([p[2] for p in parts]).mean() if parts[0][2] is not None else None
+        return logps, entropies, aux
+
+    # ---- loss: the replay stays open through the backward ----------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch):  # noqa: ANN001, ANN201
+        if self.routing_replay is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        self._rr_open = []
+        with contextlib.ExitStack() as stack:
+            self._rr_stack = stack
+            try:
+                out = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self._rr_stack = None
+        self._log_moved("routing/routes_moved_since_rollout", [c.live_moved() for c in self._rr_open], self._top_k())
+        self._rr_open = []
+        return out
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+        if self.routing_replay is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self._rr_layers is None:
+            raise ReplayError("routing_replay found no routes for this batch: was it generated by this trainer?")
+        routes = Routes(inputs[INDICES], inputs[MASK], self._rr_layers)
+        ctx = replay_routes(self._core(model), routes, track_live=True)
+        if self._rr_stack is None:  # evaluation (prediction_step): no backward follows
+            with ctx:
+                loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self._log_moved("routing/routes_moved_since_rollout", [ctx.live_moved()], routes.top_k)
+            return loss
+        self._rr_stack.enter_context(ctx)
+        self._rr_open.append(ctx)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    def _core(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    def _is_policy(self, model: torch.nn.Module) -> bool:
+        """The trained policy, not the reference model (a separate one, or PEFT's adapter-disabled / "ref" one)."""
+        core = self._core(model)
+        if core is not self._core(self.model) or (self.ref_model is not None and model is self.ref_model):
+            return False
+        if getattr(core, "peft_config", None) is not None:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            if getattr(core, "active_adapter", None) == "ref":
+                return False
+            if any(m.disable_adapters for m in core.modules() if isinstance(m, BaseTunerLayer)):
+                return False
+        return True
+
+    def _top_k(self) -> int:
+        return self._rr_layers[0].top_k if self._rr_layers else 1
+
+    def _log_moved(self, name: str, counts: list[tuple[torch.Tensor, torch.Tensor]], top_k: int) -> None:
+        if not counts:
+            return
+        moved = sum(int(m.sum()) for m, _ in counts)
+        compared = sum(int(c.sum()) for _, c in counts)
+        total = self.accelerator.gather(torch.tensor([moved, compared * top_k], device=self.accelerator.device))
+        moved, slots = total.view(-1, 2).sum(0).tolist()
+        mode = "train" if self.model.training else "eval"
+        if slots:
+            self._metrics[mode][name].append(moved / slots)
+
+
+def last_token_live(routes: Routes, attention_mask: torch.Tensor) -> Routes:
+    """`routes` [B, T] without each row's last attended position (its routing only shapes logits no loss reads),
+    so that R2 replays the positions R3 does: from the first prompt token to the one before the last token."""
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).argmax(1)  # the last 1 of each row
+    mask = routes.mask.clone()
+    mask[torch.arange(mask.shape[0], device=mask.device), last.to(mask.device)] = False
+    return Routes(routes.indices, mask, routes.layers)
+
+
+def refuse_arguments(kwargs: dict[str, Any]) -> None:
+    """ValueError for `GRPOTrainer` arguments routing replay does not support yet."""
+    for key, what in (
+        ("rollout_func", "a custom rollout_func (its rollouts would need to return routes)"),
+        ("tools", "tool calling (multi-turn generation)"),
+        ("environment_factory", "environments (multi-turn generation)"),
+    ):
+        if kwargs.get(key):
+            raise ValueError(f"routing_replay does not support {what} yet: pass {key}=None or routing_replay=None")
+    from transformers import ProcessorMixin
+
+    if isinstance(kwargs.get("processing_class"), ProcessorMixin):
+        raise ValueError("routing_replay does not support multimodal models (a ProcessorMixin processing_class) yet")
+
+
+def refuse_settings(args: Any, routing_replay: str) -> None:
+    """ValueError for `GRPOConfig` settings routing replay does not support, or where it would do nothing."""
+    if args.use_vllm:
+        raise ValueError(
+            "routing_replay does not support use_vllm=True yet (vLLM's returned routes are not imported into TRL's "
+            "vLLM path): use use_vllm=False, or routing_replay=None"
+        )
+    if getattr(args, "use_transformers_continuous_batching", False):
+        raise ValueError("routing_replay does not support use_transformers_continuous_batching=True yet")
+    generate_every = args.steps_per_generation * args.num_iterations
+    if routing_replay == "old_logprob" and args.gradient_accumulation_steps % generate_every == 0:
+        raise ValueError(
+            f"routing_replay='old_logprob' has nothing to replay: with num_iterations={args.num_iterations}, "
+            f"steps_per_generation={args.steps_per_generation} and gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps} TRL computes no old log-probs (the ratio is exactly 1); use "
+            "num_iterations > 1, or routing_replay='rollout'"
+        )

@@ -1,0 +1,117 @@
+"""A tiny TRL GRPO set-up on CPU for the integration tests: a 3-layer Qwen3-MoE, a character tokenizer, prompts of
+several lengths (left padding), a reward that varies, and EOS made likely (early EOS, right-padded completions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from moe_replay import Routes, record_routes  # noqa: E402
+from moe_replay.integrations.trl import RoutingReplayGRPOTrainer  # noqa: E402
+from moe_replay.integrations.trl.trainer import INDICES, MASK  # noqa: E402
+from moe_replay.tiny import tiny_moe, tiny_tokenizer  # noqa: E402
+
+TIMING = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def tiny_policy(seed: int = 0) -> torch.nn.Module:
+    """3 layers (layer 1 dense), 8 experts, top-2, well-separated routers, EOS id 1, pad id 0."""
+    model = tiny_moe(seed, layers=3, experts=8, top_k=2, dense_layers=[1], router_std=0.5, intermediate_size=96)
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts(n: int = 16) -> Dataset:
+    """Prompts of 4 to 8 characters, so that every generation batch is left-padded."""
+    base = [f"{a}+{b}=" for a in (1, 23, 456) for b in (7, 89, 123)]
+    return Dataset.from_dict({"prompt": [base[i % len(base)] for i in range(n)]})
+
+
+def reward(completions: list[str], **_: Any) -> list[float]:
+    """Varies with length and content, so that advantages are not all zero."""
+    return [c.count("1") + c.count("2") - 0.1 * len(c) for c in completions]
+
+
+def config(tmp_path: Any, **kw: Any) -> GRPOConfig:
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        num_iterations=2,
+        max_steps=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        learning_rate=3e-2,
+        seed=0,
+        save_strategy="no",
+        beta=0.0,
+        disable_tqdm=True,
+        generation_kwargs={"sequence_bias": {(1,): 2.5}},  # EOS likely: completions end at different lengths
+    )
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+class Spy(RoutingReplayGRPOTrainer):
+    """Records what every loss forward really used (a recording nested in the replay), the routes of each
+    generation, and the old log-probs against a live (not replayed) forward at the sampling weights."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.used: list[tuple[Routes, Routes]] = []  # (replayed, recorded inside the replay)
+        self.generated: list[dict[str, torch.Tensor]] = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ANN001, ANN201
+        with record_routes(self._core(model)) as rec:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.used.append((Routes(inputs[INDICES], inputs[MASK], self._rr_layers), rec.routes))
+        return loss
+
+    def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
+        out = super()._generate_and_score_completions(inputs)
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        with torch.no_grad():
+            live = GRPOTrainer._get_per_token_logps_and_entropies(
+                self, self.model, ids, mask, out["completion_ids"].shape[1]
+            )[0]
+            with record_routes(self._core(self.model)) as rec:
+                self.model(ids, attention_mask=mask)
+        self.generated.append({**out, "live_logps": live, "live_routes": rec.routes, "input_ids": ids})
+        return out
+
+
+def agreement(indices: torch.Tensor, mask: torch.Tensor, live: Routes, shift: int = 0) -> float:
+    """Share of (token, layer) expert sets in `indices` [B, T, L, K] (at `mask`) equal to `live`'s, optionally with
+    `indices` moved `shift` positions right. Generate's KV-cached decode and a full forward differ by float noise, so
+    a near-tie may flip (rarely, here); a misaligned or wrong row disagrees almost everywhere."""
+    a = indices.long().sort(-1).values.roll(shift, 1)
+    b = live.indices.long().sort(-1).values
+    m = mask.roll(shift, 1) & live.mask
+    return float((a == b).all(-1).all(-1)[m].float().mean())
+
+
+def make(tmp_path: Any, routing_replay: str | None, cls: type = Spy, model: Any = None, **kw: Any) -> Any:
+    return cls(
+        model=model if model is not None else tiny_policy(),
+        reward_funcs=reward,
+        args=config(tmp_path, **kw),
+        train_dataset=prompts(),
+        processing_class=tiny_tokenizer(),
+        routing_replay=routing_replay,
+    )
+
+
+def logged(trainer: Any) -> list[dict[str, float]]:
+    """The trainer's log rows without timing fields."""
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in trainer.state.log_history]

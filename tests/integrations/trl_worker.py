@@ -1,0 +1,43 @@
+"""One rank of the 2-process TRL test (launched by test_trl_distributed.py with torch.distributed env vars)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from trl_utils import agreement, make
+
+from moe_replay.integrations.trl.trainer import INDICES, MASK
+
+
+def main(out: str) -> None:
+    trainer = make(Path(out) / "run", "rollout", max_steps=2, steps_per_generation=2)
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    used = []
+    for replayed, rec in trainer.used:
+        m = replayed.mask
+        used.append(bool(m.any()) and torch.equal(rec.indices.sort(-1).values[m], replayed.indices.sort(-1).values[m]))
+    agree, shifted, logps = [], [], []
+    for gen in trainer.generated:
+        agree.append(agreement(gen[INDICES], gen[MASK], gen["live_routes"]))
+        shifted.append(agreement(gen[INDICES], gen[MASK], gen["live_routes"], shift=1))
+        diff = (gen["old_per_token_logps"] - gen["live_logps"]) * gen["completion_mask"]
+        logps.append(float(diff.abs().max()))
+    result = {
+        "rank": rank,
+        "world": trainer.accelerator.num_processes,
+        "used": used,
+        "agree": agree,
+        "shifted": shifted,
+        "logps": logps,
+        "prompts": [row.tolist() for gen in trainer.generated for row in gen["prompt_ids"]],
+        "moved": [r.get("routing/routes_moved_since_rollout") for r in trainer.state.log_history],
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
