@@ -1,8 +1,9 @@
 """GRPO with TRL's GRPOTrainer on a tiny Qwen3-MoE (CPU, a few minutes), with each `routing_replay` setting.
 
 The task is verifiable: the prompt is "a+b=" and the reward is 1 for the right sum, plus partial credit for the
-share of the completion that is digits (so that a random model gets a signal at all). The model is a random 4-layer, 16-expert, top-2 Qwen3-MoE from a config, so it learns
-little in a few steps; the point is the three lines a TRL user changes, and the routing metrics TRL now logs.
+share of the completion that is digits (so that a random model gets a signal at all). The model is a random
+4-layer, 16-expert, top-2 Qwen3-MoE from a config; the point is the three lines a TRL user changes, and the routing
+metrics TRL now logs.
 
     python examples/trl_grpo_replay.py                 # None, "rollout" (R3) and "old_logprob" (R2), 40 steps each
     python examples/trl_grpo_replay.py --steps 40 --modes rollout

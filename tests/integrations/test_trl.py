@@ -216,3 +216,20 @@ def test_bad_mode_and_images_are_refused(tmp_path):
     trainer = make(tmp_path, "rollout")
     with pytest.raises(ValueError, match="multimodal"):
         trainer._generate_and_score_completions([{"prompt": "1+2=", "image": None}])
+
+
+def test_layout_checks_name_both_sides():
+    from moe_replay import LayerInfo, Routes
+    from moe_replay.integrations.trl import check_tokens, recorded_span, routes_for_batch
+
+    with pytest.raises(ReplayError, match="row 0, position 3 holds token 9 but generation gave 7"):
+        check_tokens(torch.tensor([[0, 5, 6, 9, 0]]), [[5, 6]], [[7]], prompt_width=3)
+    # generate: prompt width 3, completions of 2 and 1 tokens -> T = 5; TRL pads the batch to width 8 (prompts 4)
+    span = recorded_span([2, 3], [2, 1], prompt_width=3, width=5)
+    routes = Routes(torch.zeros(2, 5, 1, 1, dtype=torch.uint8), span, [LayerInfo("l0", 2, 1)])
+    ids = torch.tensor([[0, 0, 5, 6, 7, 1, 0, 0], [0, 5, 6, 8, 1, 0, 0, 0]])
+    rows = routes_for_batch(routes, [[5, 6], [5, 6, 8]], [[7, 1], [1]], ids, completion_width=4)
+    assert rows.mask.int().tolist() == [[0, 0, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0]]
+    shifted = Routes(routes.indices, span.roll(1, 1), routes.layers)
+    with pytest.raises(ReplayError, match=r"do not line up with TRL's row 0: they cover positions 2..4 but .* 1..3"):
+        routes_for_batch(shifted, [[5, 6], [5, 6, 8]], [[7, 1], [1]], ids, completion_width=4)
