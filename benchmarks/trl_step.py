@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--csv", type=Path, default=None)
     opts = ap.parse_args()
-    rounds, steps, new, batch = (2, 2, 16, 8) if opts.quick else (3, 3, 32, 16)
+    rounds, steps, new, batch = (2, 2, 16, 8) if opts.quick else (3, 2, 32, 16)
     torch.set_num_threads(torch.get_num_threads())
     arms: dict[str, list[float]] = {"rollout": [], "none": [], "none (A/A)": []}
     for r in range(rounds):  # alternate the arms, flipping the order each round

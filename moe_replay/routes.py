@@ -5,12 +5,15 @@ Shape legend: B sequences, T token positions, L MoE layers, E experts, K top-k.
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .routes_check import check_ids
+from .routes_index import batch_index
 
 IndexLike = int | slice | Sequence[int] | torch.Tensor
 
@@ -72,7 +75,7 @@ class Routes:
 
     def __init__(self, indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[LayerInfo]) -> None:
         layers = check_structure(indices, mask, layers)
-        _check_values(indices, mask, layers)
+        check_ids(indices, mask, layers)
         dtype = index_dtype(max((layer.num_experts for layer in layers), default=1))
         self.indices = indices if indices.dtype == dtype else indices.to(dtype)
         self.mask = mask
@@ -127,7 +130,7 @@ class Routes:
         `idx` is an int, a slice, a 1-D list, tensor or numpy array of ids, or a bool mask of length B; an empty
         list gives an empty batch (B=0).
         """
-        idx = _batch_index(idx, self.batch_size, self.device)
+        idx = batch_index(idx, self.batch_size, self.device)
         return Routes._trusted(self.indices[idx], self.mask[idx], self.layers)
 
     @classmethod
@@ -152,6 +155,34 @@ class Routes:
         indices = torch.cat([_pad_t(p.indices, T) for p in parts])
         mask = torch.cat([_pad_t(p.mask, T) for p in parts])
         return cls._trusted(indices, mask, first.layers)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[Any],
+        layers: Sequence[LayerInfo],
+        *,
+        pad_left: Sequence[int] | torch.Tensor | None = None,
+        seq_len: int | None = None,
+        columns: Sequence[int] | None = None,
+        zeros_empty: bool = False,
+    ) -> Routes:
+        """Build from one [n_i, C, K] array per sequence (torch, numpy or nested lists, in any integer dtype) for
+        its positions 0..n_i-1, placed from its left-padding offset `pad_left[i]` in a [B, T] batch (T = `seq_len`,
+        default the longest); other positions are unrecorded. `layers` name the L MoE layers; `columns` says which
+        of the C columns each takes (default: by position when C == L, else the decoder-layer number in each
+        name, for engines that return one column per decoder layer). Ids are checked (in [0, E), distinct).
+
+        Example:
+            >>> rows = [torch.tensor([[[0, 1]], [[2, 3]]]), torch.tensor([[[1, 2]]])]
+            >>> Routes.from_rows(rows, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], pad_left=[0, 1]).mask.tolist()
+            [[True, True], [False, True]]
+        """
+        from .routes_rows import routes_from_rows
+
+        return routes_from_rows(
+            rows, layers, pad_left=pad_left, seq_len=seq_len, columns=columns, zeros_empty=zeros_empty
+        )
 
     def to(self, device: torch.device | str) -> Routes:
         """Move to a device (indices keep their dtype)."""
@@ -227,79 +258,6 @@ def check_structure(indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[
     if len({layer.name for layer in layers}) != len(layers):
         raise ValueError("layer names must be unique")
     return layers
-
-
-def _check_values(indices: torch.Tensor, mask: torch.Tensor, layers: tuple[LayerInfo, ...]) -> None:
-    """Expert ids in [0, E) and no duplicate expert within one (token, layer), at recorded positions."""
-    L, K = indices.shape[2], indices.shape[3]
-    if indices.numel() == 0:  # nothing to check (and no reshape to [-1, 0, K] when L=0)
-        return
-    rec = indices.reshape(-1, L, K) if bool(mask.all()) else indices[mask]  # [N, L, K], a view when all recorded
-    if rec.numel() == 0:
-        return
-    lo, hi = rec.amin(dim=(0, 2)).tolist(), rec.amax(dim=(0, 2)).tolist()
-    for i, layer in enumerate(layers):
-        if lo[i] < 0 or hi[i] >= layer.num_experts:
-            bad = lo[i] if lo[i] < 0 else hi[i]
-            raise ValueError(f"layer {layer.name!r}: expert index {bad} outside [0, E={layer.num_experts})")
-    dup = torch.zeros(rec.shape[:2], dtype=torch.bool, device=rec.device)
-    for k in range(K - 1):  # K - 1 vectorised comparisons, no sort, no int64 copy
-        dup |= (rec[..., k : k + 1] == rec[..., k + 1 :]).any(-1)
-    if dup.any():
-        n, layer_i = (int(v) for v in dup.nonzero()[0])
-        b, t = (int(v) for v in mask.nonzero()[n])
-        raise ValueError(
-            f"duplicate experts {rec[n, layer_i].tolist()} at sequence {b}, position {t}, "
-            f"layer {layers[layer_i].name!r}: the K experts of a token must be distinct"
-        )
-
-
-def _batch_index(idx: object, B: int, device: torch.device) -> slice | torch.Tensor:
-    """`idx` as a slice or a 1-D long or bool tensor that selects along B, or a ValueError that says why not."""
-    if isinstance(idx, bool):  # an int to isinstance, but torch reads it as a new dim, not as sequence 0 or 1
-        raise ValueError(f"a bool is not a batch index: use an int, or a bool mask of length B={B}")
-    if isinstance(idx, tuple):
-        raise ValueError("Routes are sliced along the batch only: routes[idx] with idx an int, slice or index list")
-    if isinstance(idx, slice):
-        return idx
-    if _is_integer_scalar(idx):
-        i = operator.index(idx)
-        if not -B <= i < B:
-            raise IndexError(f"index {i} out of range for B={B}")
-        return slice(i, i + 1 if i != -1 else None)
-    try:
-        t = torch.as_tensor(idx, device=device)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(
-            f"cannot index Routes with {type(idx).__name__}: use an int, a slice, a 1-D list, tensor or array of "
-            f"ids, or a bool mask of length B={B}"
-        ) from e
-    if t.dtype == torch.bool:
-        if t.shape != (B,):
-            raise ValueError(f"boolean index of shape {tuple(t.shape)} does not match B={B}")
-        return t
-    if t.dim() == 1 and t.numel() == 0:  # [] and np.array([]) are float: select nothing, as tensor[[]] does
-        return t.long()
-    if t.dtype.is_floating_point or t.dtype.is_complex:
-        raise ValueError(f"a Routes index must hold integers or bools, got {t.dtype}")
-    if t.dtype == torch.uint8:  # torch would read it as a mask, which an id list of expert-sized ints is not
-        raise ValueError("a uint8 index is ambiguous (torch reads it as a mask): use .bool() for a mask or .long()")
-    if t.dim() != 1:
-        raise ValueError(f"a Routes index list must be 1-D, got shape {tuple(t.shape)}")
-    return t
-
-
-def _is_integer_scalar(x: object) -> bool:
-    """A 0-d integer tensor, a numpy integer or 0-d integer array: an index that keeps the batch dim like an int."""
-    if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool
-    if isinstance(x, bool):
-        return False
-    try:
-        operator.index(x)  # ints, numpy integers and 0-d integer arrays; not 1-D arrays, which __index__ refuses
-    except TypeError:
-        return False
-    return True
 
 
 def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:

@@ -460,3 +460,38 @@ def test_missing_megatron_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.core.transformer.moe.router", None)
     with pytest.raises(ImportError, match=r"pip install 'moe-replay\[megatron\]'"):
         megatron.find_routers(torch.nn.Linear(2, 2))
+
+
+def test_engine_routes_replay_on_megatron():
+    """SGLang-encoded routes (one column per decoder layer, int32, base64) of a megatron recording, imported with the
+    model's own routers naming the layers (decoder layer i -> column i), replay to the recorded logits."""
+    import base64
+
+    from moe_replay.integrations.sglang import routes_from_sglang
+
+    model = tiny_gpt()
+    tokens, pos, mask, _ = batch()
+    with record_routes(model) as rec:
+        logits = model(tokens, pos, mask)
+    routes = rec.routes
+    responses = [
+        {
+            "meta_info": {
+                "prompt_tokens": routes.seq_len,
+                "completion_tokens": 1,  # all S positions were inputs: S + 1 - 1 rows
+                "routed_experts": base64.b64encode(routes.indices[i].numpy().astype("<i4").tobytes()).decode(),
+            }
+        }
+        for i in range(routes.batch_size)
+    ]
+    imported = routes_from_sglang(responses, model)
+    assert imported.layer_names == ["decoder.layers.0.mlp.router", "decoder.layers.1.mlp.router"]
+    assert imported.equal(routes)
+    with replay_routes(model, imported):
+        assert torch.equal(model(tokens, pos, mask), logits)
+    perturb_routers(model)
+    with replay_routes(model, imported):
+        from_engine = model(tokens, pos, mask)
+    with replay_routes(model, routes):
+        assert torch.equal(model(tokens, pos, mask), from_engine)
+    assert not torch.equal(model(tokens, pos, mask), from_engine)  # live routing moved: the replay mattered

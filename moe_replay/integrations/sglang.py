@@ -1,0 +1,91 @@
+"""Routes that SGLang returns (`--enable-return-routed-experts`, `return_routed_experts=True` per request) as a
+`Routes` batch, one row per response.
+
+Format, checked against SGLang's source (see docs/engines.md for the files and versions): `meta_info["routed_experts"]`
+is base64 of the raw bytes of an int32 array (seq_len - 1, num_hidden_layers, K), native (little-endian) byte order,
+no shape in the payload; seq_len = prompt + completion tokens (`meta_info["prompt_tokens"]`,
+`meta_info["completion_tokens"]`). One column per decoder layer, dense layers' columns left zero. The
+OpenAI-compatible endpoints put the same string in `sglext.routed_experts`. With n > 1, responses come prompt-major
+(p0s0, p0s1, ..., p1s0, ...), each with the prompt's routes. Prompt tokens served from the radix cache carry the
+routes stored when they were first computed.
+
+Example:
+    >>> responses = engine.generate(input_ids=ids, sampling_params=p, return_routed_experts=True)  # doctest: +SKIP
+    >>> routes = routes_from_sglang(responses, model, pad_left=pad)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..routes import LayerInfo, Routes
+from .rollout import check_columns, check_row_length, decoder_layers, layers_of
+
+FLAG = "launch SGLang with --enable-return-routed-experts and send return_routed_experts=True with the request"
+
+
+def routes_from_sglang(
+    responses: Sequence[Mapping[str, Any]],
+    model: nn.Module | Sequence[LayerInfo],
+    *,
+    pad_left: Sequence[int] | torch.Tensor | None = None,
+    seq_len: int | None = None,
+    num_layers: int | None = None,
+) -> Routes:
+    """One row per SGLang response dict (`Engine.generate` or the native HTTP API; or an OpenAI-style response with
+    `sglext`), covering its prompt and completion tokens from offset `pad_left[i]` (default 0) of a [B, T] batch.
+    The trainer `model` (or a list of `LayerInfo`) names the layers, E and K, and gives the payload's column count
+    (`num_hidden_layers`; `num_layers` overrides it, else it is read off the payload's size). Raises ValueError,
+    naming both sides, for a payload whose size is not a multiple of columns x K x 4 bytes, a row whose length is
+    not prompt + completion - 1, L, K or E that do not match, bad ids, or responses without routes.
+
+    Example:
+        >>> routes = routes_from_sglang(responses, model, pad_left=[2, 0])  # doctest: +SKIP
+    """
+    layers = layers_of(model)
+    K = layers[0].top_k
+    columns = num_layers or (None if isinstance(model, Sequence) else decoder_layers(model))
+    rows = [_decode(resp, i, K, columns) for i, resp in enumerate(responses)]
+    for row in rows:
+        check_columns("SGLang", row.shape[1], layers, columns)
+    return Routes.from_rows(rows, layers, pad_left=pad_left, seq_len=seq_len)
+
+
+def _decode(resp: Mapping[str, Any], i: int, K: int, columns: int | None) -> np.ndarray:
+    """Response `i`'s routes [prompt + completion - 1, columns, K] int32, checked against its token counts."""
+    meta = resp.get("meta_info") or {}
+    payload = meta.get("routed_experts")
+    if payload is None:
+        payload = (resp.get("sglext") or {}).get("routed_experts")
+    if payload is None:
+        raise ValueError(f"SGLang response {i} has no meta_info['routed_experts']: {FLAG}")
+    try:
+        prompt, completion = int(meta["prompt_tokens"]), int(meta["completion_tokens"])
+    except KeyError as e:
+        raise ValueError(f"SGLang response {i}: meta_info lacks {e.args[0]!r}, needed to check its routes") from e
+    raw = base64.b64decode(payload) if isinstance(payload, str | bytes) else None
+    if raw is None:
+        raise ValueError(f"SGLang response {i}: routed_experts must be a base64 string, got {type(payload).__name__}")
+    positions = prompt + completion - 1
+    if columns is None:  # read the column count off the size
+        per_row = positions * K * 4
+        columns = len(raw) // per_row if per_row and len(raw) % per_row == 0 else None
+        if columns is None:
+            raise ValueError(
+                f"SGLang response {i}: {len(raw)} bytes of routes are not {positions} positions x C columns x "
+                f"K={K} x 4 bytes for any C"
+            )
+    if len(raw) % (columns * K * 4):
+        raise ValueError(
+            f"SGLang response {i}: {len(raw)} bytes of routes are not a multiple of L x K x 4 = {columns} x {K} x 4 "
+            f"(int32 ids, {columns} decoder layers, top-{K})"
+        )
+    array = np.frombuffer(raw, dtype="<i4").reshape(-1, columns, K)
+    check_row_length("SGLang", f"response {i}", array.shape[0], prompt, completion)
+    return array

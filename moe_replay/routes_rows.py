@@ -1,0 +1,155 @@
+"""`Routes.from_rows`: one array of routes per sequence (as inference engines return them) laid out as a [B, T] batch.
+
+Engines name no layers and return one column per *decoder* layer (`num_hidden_layers`, dense layers included) or
+one per MoE layer; the caller's `LayerInfo`s name the MoE layers and `columns` says which engine column each takes.
+
+Shape legend: B sequences, T positions, L MoE layers, C engine columns, K experts per token, n_i rows of sequence i.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .routes import LayerInfo, Routes, index_dtype
+from .routes_check import check_ids
+
+DECODER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def decoder_index(name: str) -> int | None:
+    """The decoder-layer number in a router's module name (`model.layers.3.mlp.gate` -> 3), or None.
+
+    Example:
+        >>> decoder_index("model.layers.3.mlp.gate"), decoder_index("decoder.layers.11.mlp.router")
+        (3, 11)
+    """
+    found = DECODER_INDEX.findall(name)
+    return int(found[-1]) if found else None
+
+
+def engine_columns(layers: Sequence[LayerInfo], num_columns: int) -> list[int]:
+    """Which of an engine's `num_columns` columns each layer takes: column i by position when there is one column per
+    layer; otherwise the decoder-layer number in each layer's name (one column per decoder layer).
+
+    Example:
+        >>> engine_columns([LayerInfo("model.layers.0.mlp.gate", 8, 2), LayerInfo("model.layers.2.mlp.gate", 8, 2)], 3)
+        [0, 2]
+    """
+    if num_columns == len(layers):
+        return list(range(num_columns))
+    found = [decoder_index(layer.name) for layer in layers]
+    if None in found:
+        raise ValueError(
+            f"the engine returned {num_columns} layer columns for {len(layers)} MoE layers, and layer "
+            f"{layers[found.index(None)].name!r} names no decoder layer ('layers.<i>.') to map it to a column"
+        )
+    if max(found) >= num_columns:
+        raise ValueError(
+            f"layer {layers[found.index(max(found))].name!r} is decoder layer {max(found)} but the engine returned "
+            f"{num_columns} layer columns"
+        )
+    return found
+
+
+def as_tensor(row: Any) -> torch.Tensor:
+    """A row of routes as a CPU tensor without a copy where possible (numpy arrays, tensors, nested lists)."""
+    if isinstance(row, torch.Tensor):
+        return row
+    if isinstance(row, np.ndarray):
+        if row.dtype == np.uint16:  # torch reads uint16 only for a few ops: widen (ids < 65536 fit int32)
+            row = row.astype(np.int32)
+        row = np.ascontiguousarray(row)
+        with warnings.catch_warnings():  # a read-only buffer (np.frombuffer of a payload): it is only read
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(row)
+    return torch.as_tensor(np.asarray(row))
+
+
+def empty_positions(picked: torch.Tensor, zeros_empty: bool) -> torch.Tensor:
+    """bool [n]: positions of `picked` [n, L, K] whose ids are all negative, or (with `zeros_empty`) all zero."""
+    empty = (picked < 0).flatten(1).all(1)
+    if zeros_empty:
+        empty |= (picked == 0).flatten(1).all(1)
+    return empty
+
+
+def routes_from_rows(
+    rows: Sequence[Any],
+    layers: Sequence[LayerInfo],
+    *,
+    pad_left: Sequence[int] | torch.Tensor | None = None,
+    seq_len: int | None = None,
+    columns: Sequence[int] | None = None,
+    zeros_empty: bool = False,
+) -> Routes:
+    """What `Routes.from_rows` does: row i ([n_i, C, K]) lands at positions pad_left[i] .. pad_left[i] + n_i - 1 of
+    a [B, T] batch (mask True there); the columns of `columns` (default: `engine_columns`) become the L layers.
+    Ids are range-checked in the engine's dtype before they are narrowed, then checked for duplicates. A position
+    whose ids are all negative (an engine's "no route" sentinel), or with `zeros_empty` all zero (K > 1: never a
+    real route, whose K ids are distinct), is left unrecorded."""
+    rows = list(rows)
+    layers = tuple(layers)
+    B = len(rows)
+    if not layers:
+        raise ValueError("Routes.from_rows needs at least one LayerInfo")
+    pads = (
+        [0] * B
+        if pad_left is None
+        else [int(p) for p in (pad_left.tolist() if torch.is_tensor(pad_left) else pad_left)]
+    )
+    if len(pads) != B:
+        raise ValueError(f"pad_left has {len(pads)} offsets for {B} rows")
+    tensors = [as_tensor(r) for r in rows]
+    for i, t in enumerate(tensors):
+        if t.dim() != 3 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"row {i}: expected integer routes [n, C, K], got {tuple(t.shape)} {t.dtype}")
+    K = layers[0].top_k
+    for i, t in enumerate(tensors):
+        if t.shape[2] != K:
+            raise ValueError(f"row {i} holds K={t.shape[2]} experts per token but the layers have top_k={K}")
+    shapes = {t.shape[1] for t in tensors if t.shape[0] > 0}
+    if len(shapes) > 1:
+        raise ValueError(f"rows disagree on their number of layer columns: {sorted(shapes)}")
+    C = next(iter(shapes)) if shapes else len(layers)
+    cols = list(columns) if columns is not None else engine_columns(layers, C)
+    if len(cols) != len(layers):
+        raise ValueError(f"{len(cols)} columns given for {len(layers)} layers")
+    ends = [p + t.shape[0] for p, t in zip(pads, tensors, strict=True)]
+    T = max(ends, default=0) if seq_len is None else seq_len
+    if min(pads, default=0) < 0 or max(ends, default=0) > T:
+        i = max(range(B), key=lambda j: ends[j]) if max(ends, default=0) > T else min(range(B), key=lambda j: pads[j])
+        raise ValueError(f"row {i} ({tensors[i].shape[0]} positions from offset {pads[i]}) does not fit T={T}")
+    dtype = index_dtype(max(layer.num_experts for layer in layers))
+    experts = torch.tensor([layer.num_experts for layer in layers])
+    indices = torch.zeros(B, T, len(layers), K, dtype=dtype)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    select = torch.tensor(cols)
+    for i, (p, t) in enumerate(zip(pads, tensors, strict=True)):
+        n = t.shape[0]
+        if n == 0:
+            continue
+        picked = t if cols == list(range(C)) else t.index_select(1, select)  # [n, L, K], engine dtype
+        lo, hi = picked.amin(dim=(0, 2)), picked.amax(dim=(0, 2))
+        keep = None
+        if bool((lo < 0).any()) or (zeros_empty and K > 1):
+            keep = ~empty_positions(picked, zeros_empty)  # [n]: positions the engine returned nothing real for
+            if not keep.all():
+                lo, hi = picked[keep].amin(dim=(0, 2)), picked[keep].amax(dim=(0, 2))
+        bad = (lo < 0) | (hi.long() >= experts)
+        if bad.any():
+            j = int(bad.nonzero()[0])
+            value = int(lo[j]) if int(lo[j]) < 0 else int(hi[j])
+            raise ValueError(
+                f"row {i}, layer {layers[j].name!r} (engine column {cols[j]}): expert id {value} outside "
+                f"[0, E={layers[j].num_experts})"
+            )
+        indices[i, p : p + n] = picked if keep is None else picked.clamp(min=0)
+        mask[i, p : p + n] = True if keep is None else keep
+    check_ids(indices, mask, layers)
+    return Routes._trusted(indices, mask, layers)

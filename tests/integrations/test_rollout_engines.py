@@ -1,0 +1,218 @@
+"""vLLM and SGLang routes imported as `Routes`: payloads built from moe-replay's own recording of a tiny model
+(3 decoder layers, layer 1 dense, 8 experts, top-2) and encoded exactly as each engine encodes them (docs/engines.md),
+then imported and compared with the recording; every error names both sides. No engine runs here."""
+
+from __future__ import annotations
+
+import base64
+import io
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from helpers import left_padded, tiny_qwen3_moe
+
+from moe_replay import LayerInfo, Routes, record_routes, replay_routes
+from moe_replay.integrations.sglang import routes_from_sglang
+from moe_replay.integrations.vllm import routes_from_vllm
+
+DECODER_LAYERS, MOE_COLUMNS = 3, [0, 2]
+
+
+@pytest.fixture(scope="module")
+def generation():
+    """A sampled, left-padded batch with its recorded routes, and each row's pad, prompt and completion tokens."""
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(4, 6, [0, 2, 3, 1])
+    torch.manual_seed(0)
+    with torch.no_grad(), record_routes(model) as rec:
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            max_new_tokens=5,
+            eos_token_id=7,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
+    routes = rec.routes
+    rows = []
+    for i in range(ids.shape[0]):
+        pad = int((mask[i] == 0).sum())
+        span = routes.mask[i].nonzero().flatten()
+        n = int(span.numel())
+        prompt = ids[i, pad:].tolist()
+        completion = out.sequences[i, 6 : 6 + n + 1 - len(prompt)].tolist()
+        assert span.tolist() == list(range(pad, pad + n)) and n == len(prompt) + len(completion) - 1
+        rows.append(
+            SimpleNamespace(pad=pad, prompt=prompt, completion=completion, moe=routes.indices[i, pad : pad + n])
+        )
+    return SimpleNamespace(model=model, routes=routes, rows=rows, sequences=out.sequences)
+
+
+def decoder_columns(moe: torch.Tensor, dtype) -> np.ndarray:  # noqa: ANN001
+    """[n, 3 decoder layers, K]: the MoE layers' routes in their columns, the dense layer's column zero."""
+    full = np.zeros((moe.shape[0], DECODER_LAYERS, moe.shape[2]), dtype=dtype)
+    full[:, MOE_COLUMNS] = moe.numpy()
+    return full
+
+
+def vllm_outputs(gen, dtype=np.int32, split=False, server=False):  # noqa: ANN001, ANN201
+    out = []
+    for r in gen.rows:
+        if split:  # vLLM 0.21: prompt routes separately, MoE-layer columns, int16
+            prompt_routes, routes = r.moe[: len(r.prompt)].numpy().astype(np.int16), r.moe[len(r.prompt) :].numpy()
+            routes = routes.astype(np.int16)
+        else:
+            prompt_routes, routes = None, decoder_columns(r.moe, dtype)
+        if server:
+            buf = io.BytesIO()
+            np.save(buf, routes)
+            choice = {"index": 0, "token_ids": r.completion, "routed_experts": base64.b64encode(buf.getvalue())}
+            out.append({"prompt_token_ids": r.prompt, "choices": [choice]})
+        else:
+            choice = SimpleNamespace(index=0, token_ids=r.completion, routed_experts=routes)
+            out.append(
+                SimpleNamespace(prompt_token_ids=r.prompt, prompt_routed_experts=prompt_routes, outputs=[choice])
+            )
+    return out
+
+
+def sglang_responses(gen):  # noqa: ANN001, ANN201
+    return [
+        {
+            "text": "",
+            "meta_info": {
+                "prompt_tokens": len(r.prompt),
+                "completion_tokens": len(r.completion),
+                "routed_experts": base64.b64encode(decoder_columns(r.moe, np.int32).tobytes()).decode(),
+            },
+        }
+        for r in gen.rows
+    ]
+
+
+def imported_equal(gen, routes: Routes) -> None:  # noqa: ANN001
+    assert routes.equal(gen.routes), "imported routes differ from the recording"
+    mask = (gen.sequences != 0).long()
+    with torch.no_grad():
+        with replay_routes(gen.model, routes):
+            a = gen.model(gen.sequences, attention_mask=mask).logits
+        with replay_routes(gen.model, gen.routes):
+            b = gen.model(gen.sequences, attention_mask=mask).logits
+    assert torch.equal(a, b)
+
+
+def pads(gen):  # noqa: ANN001, ANN201
+    return [r.pad for r in gen.rows]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.uint16])
+def test_vllm_per_completion_offline(generation, dtype):
+    T = generation.routes.seq_len
+    imported_equal(
+        generation,
+        routes_from_vllm(vllm_outputs(generation, dtype), generation.model, pad_left=pads(generation), seq_len=T),
+    )
+
+
+def test_vllm_split_form_and_server_forms(generation):
+    g, T = generation, generation.routes.seq_len
+    imported_equal(g, routes_from_vllm(vllm_outputs(g, split=True), g.model, pad_left=pads(g), seq_len=T))
+    imported_equal(g, routes_from_vllm(vllm_outputs(g, np.uint8, server=True), g.model, pad_left=pads(g), seq_len=T))
+
+
+def test_vllm_prefix_cached_prompt_rows_are_unrecorded(generation):
+    """vLLM 0.21 leaves prompt rows served from its prefix cache zero (or -1): those positions route live."""
+    g = generation
+    outputs = vllm_outputs(g, split=True)
+    outputs[0].prompt_routed_experts[:2] = 0
+    outputs[1].prompt_routed_experts[:1] = -1
+    routes = routes_from_vllm(outputs, g.model, pad_left=pads(g), seq_len=g.routes.seq_len)
+    expected = g.routes.mask.clone()
+    expected[0, g.rows[0].pad : g.rows[0].pad + 2] = False
+    expected[1, g.rows[1].pad] = False
+    assert torch.equal(routes.mask, expected)
+    m = expected
+    assert torch.equal(routes.indices.long().sort(-1).values[m], g.routes.indices.long().sort(-1).values[m])
+
+
+def test_vllm_n_completions_per_request_keep_index_order(generation):
+    """n > 1: the completions of one request become consecutive rows in CompletionOutput.index order."""
+    r = generation.rows[0]
+    first = decoder_columns(r.moe, np.int32)
+    second = first.copy()
+    second[:, 0] = (second[:, 0] + 1) % 8  # other (still distinct) experts in layer 0
+    choices = [
+        SimpleNamespace(index=1, token_ids=r.completion, routed_experts=second),
+        SimpleNamespace(index=0, token_ids=r.completion, routed_experts=first),
+    ]
+    request = SimpleNamespace(prompt_token_ids=r.prompt, prompt_routed_experts=None, outputs=choices)
+    routes = routes_from_vllm([request], generation.model)
+    assert routes.batch_size == 2
+    assert torch.equal(routes.indices[0, :, 0].long(), torch.from_numpy(first[:, 0]).long())
+    assert torch.equal(routes.indices[1, :, 0].long(), torch.from_numpy(second[:, 0]).long())
+
+
+def test_sglang(generation):
+    g = generation
+    imported_equal(g, routes_from_sglang(sglang_responses(g), g.model, pad_left=pads(g), seq_len=g.routes.seq_len))
+    # the column count is read off the payload when given a list of LayerInfo
+    routes = routes_from_sglang(sglang_responses(g), g.routes.layers, pad_left=pads(g), seq_len=g.routes.seq_len)
+    assert routes.equal(g.routes)
+
+
+def test_from_rows_places_rows_at_their_offsets():
+    rows = [np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), torch.tensor([[[1, 2]]])]
+    r = Routes.from_rows(rows, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], pad_left=[1, 0], seq_len=4)
+    assert r.mask.tolist() == [[False, True, True, False], [True, False, False, False]]
+    assert r.indices[0, 2, 0].tolist() == [2, 3] and r.indices.dtype == torch.uint8
+    with pytest.raises(ValueError, match="row 0 .2 positions from offset 3. does not fit T=4"):
+        Routes.from_rows(rows, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], pad_left=[3, 0], seq_len=4)
+
+
+def test_errors_name_both_sides(generation):
+    g = generation
+    outputs = vllm_outputs(g)
+    outputs[0].outputs[0].routed_experts = np.concatenate(
+        [outputs[0].outputs[0].routed_experts[:1]] * 2 + [outputs[0].outputs[0].routed_experts[1:]]
+    )
+    n = len(g.rows[0].prompt) + len(g.rows[0].completion) - 1
+    with pytest.raises(ValueError, match=f"routes hold {n + 1} positions but .* need prompt \\+ completion - 1 = {n}"):
+        routes_from_vllm(outputs, g.model)
+    outputs = vllm_outputs(g)
+    outputs[2].outputs[0].routed_experts = None
+    with pytest.raises(ValueError, match="no routed_experts: start vLLM with enable_return_routed_experts=True"):
+        routes_from_vllm(outputs, g.model)
+    outputs = vllm_outputs(g)
+    outputs[0].outputs[0].routed_experts = np.zeros((n, 4, 2), dtype=np.int32)
+    with pytest.raises(ValueError, match="routes for 4 layers but the model has 2 MoE layers and 3 decoder layers"):
+        routes_from_vllm(outputs, g.model)
+    outputs = vllm_outputs(g)
+    outputs[0].outputs[0].routed_experts = outputs[0].outputs[0].routed_experts[..., :1]
+    with pytest.raises(ValueError, match="K=1 experts per token but the layers have top_k=2"):
+        routes_from_vllm(outputs, g.model)
+    outputs = vllm_outputs(g)
+    outputs[1].outputs[0].routed_experts[3, 2, 0] = 8
+    with pytest.raises(
+        ValueError, match="row 1, layer 'model.layers.2.mlp.gate' .engine column 2.: expert id 8 outside .0, E=8."
+    ):
+        routes_from_vllm(outputs, g.model)
+    outputs = vllm_outputs(g)
+    routes = outputs[1].outputs[0].routed_experts
+    routes[3, 2, 0] = routes[3, 2, 1]
+    with pytest.raises(
+        ValueError, match="duplicate experts .* at sequence 1, position 3, layer 'model.layers.2.mlp.gate'"
+    ):
+        routes_from_vllm(outputs, g.model)
+    responses = sglang_responses(g)
+    responses[0]["meta_info"]["routed_experts"] = base64.b64encode(b"\0" * 20).decode()
+    with pytest.raises(ValueError, match="20 bytes of routes are not a multiple of L x K x 4 = 3 x 2 x 4"):
+        routes_from_sglang(responses, g.model)
+    del responses[1]["meta_info"]["routed_experts"]
+    with pytest.raises(
+        ValueError,
+        match="response 0 has no meta_info.'routed_experts'.: launch SGLang with --enable-return-routed-experts",
+    ):
+        routes_from_sglang(responses[1:], g.model)
