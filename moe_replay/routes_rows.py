@@ -71,6 +71,14 @@ def as_tensor(row: Any) -> torch.Tensor:
     return torch.as_tensor(np.asarray(row))
 
 
+def layer_range(picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer, the smallest and largest id of `picked` [n, L, K] (contiguous reductions over [n, L·K])."""
+    n, L, K = picked.shape
+    flat = picked.reshape(n, L * K)
+    lo = flat.amin(0).reshape(L, K).amin(1) if picked.dtype.is_signed else torch.zeros(L, dtype=picked.dtype)
+    return lo, flat.amax(0).reshape(L, K).amax(1)
+
+
 def empty_positions(picked: torch.Tensor, zeros_empty: bool) -> torch.Tensor:
     """bool [n]: positions of `picked` [n, L, K] whose ids are all negative, or (with `zeros_empty`) all zero."""
     empty = (picked < 0).flatten(1).all(1)
@@ -135,12 +143,12 @@ def routes_from_rows(
         if n == 0:
             continue
         picked = t if cols == list(range(C)) else t.index_select(1, select)  # [n, L, K], engine dtype
-        lo, hi = picked.amin(dim=(0, 2)), picked.amax(dim=(0, 2))
+        lo, hi = layer_range(picked)
         keep = None
         if bool((lo < 0).any()) or (zeros_empty and K > 1):
             keep = ~empty_positions(picked, zeros_empty)  # [n]: positions the engine returned nothing real for
             if not keep.all():
-                lo, hi = picked[keep].amin(dim=(0, 2)), picked[keep].amax(dim=(0, 2))
+                lo, hi = layer_range(picked[keep])
         bad = (lo < 0) | (hi.long() >= experts)
         if bad.any():
             j = int(bad.nonzero()[0])

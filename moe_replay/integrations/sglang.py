@@ -7,7 +7,13 @@ no shape in the payload; seq_len = prompt + completion tokens (`meta_info["promp
 `meta_info["completion_tokens"]`). One column per decoder layer, dense layers' columns left zero. The
 OpenAI-compatible endpoints put the same string in `sglext.routed_experts`. With n > 1, responses come prompt-major
 (p0s0, p0s1, ..., p1s0, ...), each with the prompt's routes. Prompt tokens served from the radix cache carry the
-routes stored when they were first computed.
+routes stored when they were first computed. A request with `routed_experts_start_len=s` gets positions
+s .. seq_len - 2 only (`meta_info["routed_experts_start_len"]`): the first s positions are left unrecorded.
+
+Read at: `python/sglang/srt/layers/moe/routed_experts_capturer.py` (commit d4d0fc58) and, in later releases,
+`python/sglang/srt/state_capturer/routed_experts.py` (commit bec3dbc9): the capturer keeps one column per
+`num_hidden_layers` and returns `req_to_token[start_len : seqlen - 1]`; `tokenizer_manager.py` base64-encodes
+`tensor.numpy().tobytes()`.
 
 Example:
     >>> responses = engine.generate(input_ids=ids, sampling_params=p, return_routed_experts=True)  # doctest: +SKIP
@@ -51,14 +57,21 @@ def routes_from_sglang(
     layers = layers_of(model)
     K = layers[0].top_k
     columns = num_layers or (None if isinstance(model, Sequence) else decoder_layers(model))
-    rows = [_decode(resp, i, K, columns) for i, resp in enumerate(responses)]
-    for row in rows:
+    decoded = [_decode(resp, i, K, columns) for i, resp in enumerate(responses)]
+    for row, _ in decoded:
         check_columns("SGLang", row.shape[1], layers, columns)
-    return Routes.from_rows(rows, layers, pad_left=pad_left, seq_len=seq_len)
+    if torch.is_tensor(pad_left):
+        pad_left = pad_left.tolist()
+    pads = [0] * len(decoded) if pad_left is None else list(pad_left)
+    if len(pads) != len(decoded):
+        raise ValueError(f"pad_left has {len(pads)} offsets for {len(decoded)} responses")
+    starts = [p + start for p, (_, start) in zip(pads, decoded, strict=True)]
+    return Routes.from_rows([row for row, _ in decoded], layers, pad_left=starts, seq_len=seq_len)
 
 
-def _decode(resp: Mapping[str, Any], i: int, K: int, columns: int | None) -> np.ndarray:
-    """Response `i`'s routes [prompt + completion - 1, columns, K] int32, checked against its token counts."""
+def _decode(resp: Mapping[str, Any], i: int, K: int, columns: int | None) -> tuple[np.ndarray, int]:
+    """Response `i`'s routes [prompt + completion - 1 - start, columns, K] int32, checked against its token counts,
+    and `start` (`routed_experts_start_len`: the routes cover positions start .. prompt + completion - 2)."""
     meta = resp.get("meta_info") or {}
     payload = meta.get("routed_experts")
     if payload is None:
@@ -72,7 +85,8 @@ def _decode(resp: Mapping[str, Any], i: int, K: int, columns: int | None) -> np.
     raw = base64.b64decode(payload) if isinstance(payload, str | bytes) else None
     if raw is None:
         raise ValueError(f"SGLang response {i}: routed_experts must be a base64 string, got {type(payload).__name__}")
-    positions = prompt + completion - 1
+    start = int(meta.get("routed_experts_start_len") or 0)
+    positions = prompt + completion - 1 - start
     if columns is None:  # read the column count off the size
         per_row = positions * K * 4
         columns = len(raw) // per_row if per_row and len(raw) % per_row == 0 else None
@@ -87,5 +101,5 @@ def _decode(resp: Mapping[str, Any], i: int, K: int, columns: int | None) -> np.
             f"(int32 ids, {columns} decoder layers, top-{K})"
         )
     array = np.frombuffer(raw, dtype="<i4").reshape(-1, columns, K)
-    check_row_length("SGLang", f"response {i}", array.shape[0], prompt, completion)
-    return array
+    check_row_length("SGLang", f"response {i}", array.shape[0] + start, prompt, completion)
+    return array, start

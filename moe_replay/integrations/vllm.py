@@ -14,6 +14,12 @@ Formats, checked against vLLM's source (see docs/engines.md for the files and ve
 
 With n > 1, a request's completions come in `CompletionOutput.index` order; each holds the prompt's routes.
 
+Read at (vllm-project/vllm): `vllm/model_executor/layers/fused_moe/routed_experts_capturer.py` (commit 00bd1493,
+int32, `num_hidden_layers` columns, `request.num_tokens - 1` rows) with `vllm/outputs.py` (003d3ee2); the 0.21.0
+`docs/training/routed_experts_replay.md` (0087e005); `.../routed_experts_capture/manager.py` (3de009db, uint8 /
+uint16) and `tests/entrypoints/rlhf/return_routed_experts/test_openai_api.py` (217fd0d4, base64 `.npy`). The newest
+documentation describes a redesign keyed by KV block hash whose output format is not covered yet.
+
 Example:
     >>> outputs = llm.generate(prompts, SamplingParams(n=4))  # LLM(..., enable_return_routed_experts=True)
     >>> routes = routes_from_vllm(outputs, model)  # doctest: +SKIP

@@ -216,3 +216,18 @@ def test_errors_name_both_sides(generation):
         match="response 0 has no meta_info.'routed_experts'.: launch SGLang with --enable-return-routed-experts",
     ):
         routes_from_sglang(responses[1:], g.model)
+
+
+def test_sglang_routed_experts_start_len(generation):
+    """A request with routed_experts_start_len=s returns positions s .. seq_len - 2: the first s stay unrecorded."""
+    g = generation
+    responses = sglang_responses(g)
+    meta = responses[2]["meta_info"]
+    full = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype="<i4").reshape(-1, DECODER_LAYERS, 2)
+    meta["routed_experts"] = base64.b64encode(full[3:].tobytes()).decode()
+    meta["routed_experts_start_len"] = 3
+    routes = routes_from_sglang(responses, g.model, pad_left=pads(g), seq_len=g.routes.seq_len)
+    expected = g.routes.mask.clone()
+    expected[2, g.rows[2].pad : g.rows[2].pad + 3] = False
+    assert torch.equal(routes.mask, expected)
+    assert torch.equal(routes.indices[expected], g.routes.indices[expected])

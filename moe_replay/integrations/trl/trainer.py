@@ -72,13 +72,12 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             refuse_settings(self.args, routing_replay)
 
     # ---- generation ----------------------------------------------------------------------------------------------
-    def _generate_single_turn(self, prompt_ids, images, fields, num_generations, has_tool_images=False):  # noqa: ANN001, ANN202
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):  # noqa: ANN001, ANN202, E501
+        args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if self.routing_replay != "rollout":
-            return super()._generate_single_turn(prompt_ids, images, fields, num_generations, has_tool_images)
+            return super()._generate_single_turn(*args)
         with record_routes(self._core(self.model)) as rec:
-            completion_ids, logprobs = super()._generate_single_turn(
-                prompt_ids, images, fields, num_generations, has_tool_images
-            )
+            completion_ids, logprobs = super()._generate_single_turn(*args)
         if len(rec.batches) != 1:
             raise ReplayError(f"expected one generate call to record, got {len(rec.batches)}")
         self._rr_generated = (rec.routes, prompt_ids, completion_ids)
