@@ -70,8 +70,10 @@ def main() -> None:
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
     live = teacher_forced_routes(model, seqs.cuda(), mask.cuda(), position_ids=position_ids.cuda())
     change = expert_change(routes.to("cuda"), live, label=f"{args.engine} vs transformers")
-    print(f"{routes}\nrouted experts that differ, {change.label}: {change.fraction:.2%} of choices, "
-          f"{change.token_changed:.1%} of tokens in at least one layer")
+    print(
+        f"{routes}\nrouted experts that differ, {change.label}: {change.fraction:.2%} of choices, "
+        f"{change.token_changed:.1%} of tokens in at least one layer"
+    )
 
 
 if __name__ == "__main__":

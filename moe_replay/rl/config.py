@@ -13,9 +13,17 @@ LEVELS = ("token", "sequence", "sequence_token")
 
 @dataclass
 class TrainConfig:
-    """One RL run. `replay`: "off", "rollout" (replay the routes recorded while sampling) or "old_logprob" (record
-    them when the old log-probs are recomputed, then replay); `importance_sampling_level`: "token" (GRPO),
-    "sequence" (GSPO) or "sequence_token" (GSPO-token).
+    """One RL run. `replay`: "off", "rollout" (R3: replay the routes recorded while sampling) or "old_logprob" (R2,
+    the GSPO paper's Routing Replay: record them in the trainer's no-grad forward at the sampling weights, then
+    replay); `importance_sampling_level`: "token" (GRPO), "sequence" (GSPO) or "sequence_token" (GSPO-token).
+
+    The sampler: `rollout_dtype` ("float32", "bfloat16", "float16") after `rollout_weight_quant` ("none",
+    "fp8_e4m3", "fp8_e5m2": an engine-like sampler, simulated). `old_logprob_source`: π_old from the trainer's
+    recompute ("trainer") or the sampler's own log-probs ("sampler"). `sampler_correction` (with
+    `sampler_correction_clip_min` / `_clip_max`) weights each token or answer by exp(log p_trainer − log
+    p_sampler), truncated or masked, as TRL's `vllm_importance_sampling_mode`; `off_policy_mask_threshold` drops
+    negative-advantage answers that drifted further (TRL's name). `heldout_prompts` / `eval_every`: a fixed prompt
+    set never trained on, and how often to evaluate on it (greedy and sampled).
 
     Example (a TOML file; every key optional):
         steps = 50
@@ -45,7 +53,15 @@ class TrainConfig:
     epsilon_low: float | None = None
     epsilon_high: float | None = None
     replay: str = "off"
+    old_logprob_source: str = "trainer"  # "sampler": keep the sampler's own log-probs as π_old
+    sampler_correction: str = "none"  # token_/sequence_ truncate / mask: TRL's vllm_importance_sampling_mode
+    sampler_correction_clip_max: float | None = 3.0
+    sampler_correction_clip_min: float | None = None
+    off_policy_mask_threshold: float | None = None
     rollout_dtype: str = "float32"
+    rollout_weight_quant: str = "none"  # "fp8_e4m3" / "fp8_e5m2": round the sampler's weights first (simulated)
+    heldout_prompts: int = 0  # a fixed set of prompts never trained on (0: none, training as before)
+    eval_every: int = 0  # evaluate on the held-out prompts every this many steps (0: never)
     router_scale: float = 1.0  # multiply the warm-started routers' weights: > 1 sharper routing, < 1 flatter
     diagnostics: bool = True
     checkpoint_every: int = 10
@@ -57,8 +73,21 @@ class TrainConfig:
             raise ValueError(
                 f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}"
             )
-        if self.rollout_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"rollout_dtype must be 'float32' or 'bfloat16', got {self.rollout_dtype!r}")
+        from .sampler import CORRECTIONS, DTYPES, QUANT
+
+        choices = {
+            "rollout_dtype": DTYPES,
+            "rollout_weight_quant": QUANT,
+            "sampler_correction": CORRECTIONS,
+            "old_logprob_source": ("trainer", "sampler"),
+        }
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
+        if self.eval_every and not self.heldout_prompts:
+            raise ValueError(f"eval_every={self.eval_every} needs held-out prompts: set heldout_prompts > 0")
+        if self.eval_every < 0 or self.heldout_prompts < 0:
+            raise ValueError("eval_every and heldout_prompts must be >= 0")
         if not self.router_scale > 0:
             raise ValueError(f"router_scale must be > 0, got {self.router_scale}")
         n = self.prompts * self.group_size

@@ -8,7 +8,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import time
@@ -20,8 +19,10 @@ from torch import nn
 
 from ..analysis import expert_change, teacher_forced_routes
 from .config import TrainConfig
+from .diagnostics import EVAL_KEYS, heldout_eval, k3_kl, pooled_stats
 from .policy import build_policy, sampled_reward, scale_routers, warm_start
-from .step import minibatch_update, rollout
+from .sampler import make_sampler, mismatch_metrics
+from .step import answer_logp, minibatch_update, rollout
 from .tasks import Task
 
 STEP_LOG, MINIBATCH_LOG, CHECKPOINT = "steps.csv", "minibatches.csv", "checkpoint"
@@ -68,6 +69,9 @@ class Run:
         self.opt = torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr)
         self.task_gen = torch.Generator().manual_seed(self.cfg.seed + 1)
         self.perm_gen = torch.Generator().manual_seed(self.cfg.seed + 2)
+        n = self.cfg.heldout_prompts
+        self.heldout = self.task.heldout(n, seed=self.cfg.seed + 10_000) if n else None
+        self.exclude = frozenset(tuple(p) for p in self.heldout[0].tolist()) if n else None
 
     def _initial_policy(self, progress: bool) -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -92,12 +96,11 @@ class Run:
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
-        """Sample one batch (`rollout`), log its reward and routing diagnostics, then make `minibatches` updates
+        """Sample one batch (`rollout`), log its reward and diagnostics, then make `minibatches` updates
         (`minibatch_update`); returns the step's row and the minibatches' rows."""
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
-        prompts, answers = self.task.sample(cfg.prompts, self.task_gen)
-        sampler = copy.deepcopy(model).to(torch.bfloat16) if cfg.rollout_dtype == "bfloat16" else None
+        prompts, answers = self.task.sample(cfg.prompts, self.task_gen, exclude=self.exclude)
         batch = rollout(
             model,
             self.task,
@@ -105,22 +108,27 @@ class Run:
             answers,
             group_size=cfg.group_size,
             replay=cfg.replay,
-            sampler=sampler,
+            sampler=make_sampler(model, cfg.rollout_dtype, cfg.rollout_weight_quant),
             partial_credit=cfg.partial_credit,
+            old_logprob_source=cfg.old_logprob_source,
+            correction=cfg.sampler_correction,
+            correction_clip=(cfg.sampler_correction_clip_min, cfg.sampler_correction_clip_max),
         )
         t_rollout = time.perf_counter() - t0
         row: dict[str, Any] = {
             "step": self.step + 1,
             "reward_mean": float(batch.rewards.mean()),
             "exact_match": float(batch.exact.mean()),
+            **mismatch_metrics(batch.trainer_logp, batch.sampler_logp, batch.mask),
         }
         live = teacher_forced_routes(model, batch.sequences) if cfg.diagnostics else None
         if live is not None:
             mismatch = expert_change(batch.routes, live)
             row["mismatch/fraction"] = mismatch.fraction
             row["mismatch/token_changed"] = mismatch.token_changed
+            before = batch.trainer_logp if cfg.replay == "off" else self._live_logp(batch)
 
-        mb_rows = []
+        mb_rows, flags = [], []
         for j, idx in enumerate(batch.minibatch_indices(cfg.minibatches, self.perm_gen)):
             metrics = minibatch_update(
                 model,
@@ -131,6 +139,9 @@ class Run:
                 epsilon_low=cfg.epsilon_low,
                 epsilon_high=cfg.epsilon_high,
                 max_grad_norm=cfg.max_grad_norm,
+                off_policy_mask_threshold=cfg.off_policy_mask_threshold,
+                live_counterfactual=cfg.diagnostics and cfg.replay != "off",
+                flags=flags,
             )
             mb = {"step": self.step + 1, "minibatch": j, **metrics}
             if live is not None:
@@ -144,12 +155,29 @@ class Run:
             if key not in ("step", "minibatch"):
                 row[key] = sum(r[key] for r in mb_rows) / len(mb_rows)
         row["clip_ratio/region_first_minibatch"] = mb_rows[0]["clip_ratio/region_mean"]
+        row.update(pooled_stats(flags[:1], "first_minibatch"))
+        row.update(pooled_stats(flags[1:], "later_minibatches"))
         if live is not None:
             row["routes_moved_since_rollout/last_minibatch"] = mb_rows[-1]["routes_moved_since_rollout"]
+            row["policy/kl_consecutive"] = k3_kl(before, self._live_logp(batch), batch.mask)
+        self.step += 1
+        if cfg.eval_every:  # every row has the eval columns (a CSV keeps its first row's header): NaN between evals
+            row.update(dict.fromkeys(EVAL_KEYS, float("nan")))
+            if self.step % cfg.eval_every == 0:
+                row.update(heldout_eval(model, self.task, *self.heldout, seed=cfg.seed + 20_000 + self.step))
         row["seconds"] = time.perf_counter() - t0
         row["seconds_rollout"] = t_rollout
-        self.step += 1
         return {"step": row, "minibatches": mb_rows}
+
+    @torch.no_grad()
+    def _live_logp(self, batch: Any) -> torch.Tensor:
+        """[N, A] the trainer's live-routed log-probs of the batch's answers (eval mode, no grad)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return answer_logp(self.model, batch.sequences, batch.prompt_len)
+        finally:
+            self.model.train(was_training)
 
     # ---- persistence -------------------------------------------------------------------------------------------
     def checkpoint(self) -> None:

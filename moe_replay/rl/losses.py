@@ -48,6 +48,7 @@ def policy_loss(
     importance_sampling_level: Level = "token",
     epsilon_low: float | None = None,
     epsilon_high: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped policy-gradient loss (−J) and detached metrics.
 
@@ -60,6 +61,8 @@ def policy_loss(
             mean over answers), "sequence" (GSPO: s_i = exp(mean_t log ρ_t), clipped per answer, mean over answers),
             "sequence_token" (GSPO-token: s_it = sg[s_i]·π_θ(o_t)/sg[π_θ(o_t)]; equals GSPO when A_it = A_i).
         epsilon_low, epsilon_high: clip range [1 − low, 1 + high]; defaults 0.2 / 0.27 (token), 3e-4 / 4e-4 (sequence).
+        weights: [N, T] or [N, 1] non-negative factors on each token's clipped term (no gradient): the sampler
+            importance-sampling correction and the off-policy sequence mask (as TRL multiplies its per-token loss).
 
     Example:
         >>> loss, m = policy_loss(logp, old_logp, adv, mask, importance_sampling_level="sequence")  # doctest: +SKIP
@@ -90,22 +93,63 @@ def policy_loss(
     adv_t = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
     log_ratio = (logp - old_logp.detach()) * m  # [N, T], 0 at padding
 
-    if importance_sampling_level == "token":
-        ratio = torch.exp(log_ratio)
-    else:
-        seq_log_ratio = log_ratio.sum(1) / lengths  # log s_i
-        if importance_sampling_level == "sequence":
-            ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)
-        else:
-            ratio = torch.exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())
+    ratio = _ratio(logp, log_ratio, lengths, importance_sampling_level)
     clipped = ratio.clamp(1 - low, 1 + high)
     term = torch.minimum(ratio * adv_t, clipped * adv_t)  # [N, T]
-    if importance_sampling_level == "sequence":
+    if weights is not None:
+        if weights.dim() != 2 or weights.shape[0] != N or weights.shape[1] not in (1, logp.shape[1]):
+            raise ValueError(
+                f"weights must be [N, T] or [N, 1] for logp {tuple(logp.shape)}, got {tuple(weights.shape)}"
+            )
+        term = term * weights.detach().to(term.dtype)
+    if importance_sampling_level == "sequence" and (weights is None or weights.shape[1] == 1):
         per_answer = term[:, 0] if term.shape[1] else term.sum(1)  # one term per answer (equal over t)
     else:
         per_answer = (term * m).sum(1) / lengths
     loss = -per_answer.mean()
     return loss, _metrics(ratio, log_ratio, adv_t, mask, low, high)
+
+
+def _ratio(logp: torch.Tensor, log_ratio: torch.Tensor, lengths: torch.Tensor, level: str) -> torch.Tensor:
+    """[N, T] importance ratios of `level`: per token (GRPO), per answer (GSPO) or GSPO-token's."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    seq_log_ratio = log_ratio.sum(1) / lengths  # log s_i
+    if level == "sequence":
+        return torch.exp(seq_log_ratio)[:, None].expand_as(logp)
+    return torch.exp(seq_log_ratio.detach()[:, None] + logp - logp.detach())
+
+
+@torch.no_grad()
+def clip_fractions(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    importance_sampling_level: Level = "token",
+    epsilon_low: float | None = None,
+    epsilon_high: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Per answer token (flattened over `mask`): bool "low" / "high" / "region" where `policy_loss` would clip, and
+    "abs_log_ratio" |log π_θ − log π_old|; for pooling over minibatches (the fractions are their means).
+
+    Example:
+        >>> flags = clip_fractions(logp, old_logp, adv, mask)  # doctest: +SKIP
+        >>> flags["region"].float().mean()  # doctest: +SKIP
+    """
+    low, high = DEFAULT_EPSILON[importance_sampling_level]
+    low = low if epsilon_low is None else epsilon_low
+    high = high if epsilon_high is None else epsilon_high
+    mask = mask.to(torch.bool)
+    m = mask.to(logp.dtype)
+    log_ratio = (logp - old_logp) * m
+    ratio = _ratio(logp, log_ratio, m.sum(1).clamp_min(1), importance_sampling_level)
+    adv = advantages.to(logp.dtype)
+    adv = (adv if adv.dim() == 2 else adv[:, None].expand_as(logp))[mask]
+    r = ratio[mask]
+    lo, hi = (r < 1 - low) & (adv < 0), (r > 1 + high) & (adv > 0)
+    return {"low": lo, "high": hi, "region": lo | hi, "abs_log_ratio": log_ratio[mask].abs().float()}
 
 
 def _metrics(ratio, log_ratio, adv, mask, low, high) -> dict[str, float]:  # noqa: ANN001

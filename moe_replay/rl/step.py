@@ -22,8 +22,8 @@ from torch import nn
 from ..engines import record_routes, replay_routes
 from ..routes import Routes
 from .config import REPLAY_MODES
-from .losses import Level, group_advantages, policy_loss
-from .policy import sample_answers
+from .losses import Level, clip_fractions, group_advantages, policy_loss
+from .sampler import correction_weights, off_policy_mask, sample_with_logp
 from .tasks import Task
 
 
@@ -43,6 +43,9 @@ class Rollout:
         replay: "off", "rollout" or "old_logprob" (see `rollout`).
         train_routes: the routes the minibatch updates replay: None ("off"), `routes` ("rollout", R3) or the routes
             of the old-log-prob forward ("old_logprob", R2).
+        sampler_logp: [N, A] the sampler's own log-probs of the answer tokens (float32).
+        trainer_logp: [N, A] the trainer's, in its no-grad forward at the sampling weights under `replay`.
+        weights: None, or the sampler correction's importance weights ([N, A] per token, [N, 1] per answer).
 
     Example:
         >>> batch.old_logp.shape, batch.train_routes is batch.routes  # doctest: +SKIP
@@ -59,6 +62,9 @@ class Rollout:
     mask: torch.Tensor
     replay: str
     train_routes: Routes | None
+    sampler_logp: torch.Tensor | None = None
+    trainer_logp: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
     def __len__(self) -> int:
         """N, the number of answers."""
@@ -102,17 +108,22 @@ def rollout(
     replay: str = "off",
     sampler: nn.Module | None = None,
     partial_credit: bool = True,
+    old_logprob_source: str = "trainer",
+    correction: str = "none",
+    correction_clip: tuple[float | None, float | None] = (None, 3.0),
 ) -> Rollout:
     """Sample `group_size` answers for each of the B `prompts` [B, Tp] with routes recorded, reward them against
-    `answers` [B, A], normalise the rewards within each group, and compute the old log-probs with `model` (eval
-    mode, no grad) under the chosen `replay`:
+    `answers` [B, A], normalise the rewards within each group, and run the trainer `model` (eval mode, no grad) over
+    the answers at the sampling weights under the chosen `replay`:
 
-    - "off": old log-probs routed live; the updates route live.
-    - "rollout" (R3): old log-probs and updates replay the sampler's routes.
-    - "old_logprob" (R2): the old-log-prob forward routes live and is recorded; the updates replay those routes.
+    - "off": that forward routes live; the updates route live.
+    - "rollout" (R3): that forward and the updates replay the sampler's routes.
+    - "old_logprob" (R2): that forward routes live and is recorded; the updates replay those routes.
 
-    `sampler` samples instead of `model` (e.g. a bf16 copy, for a sampler/trainer mismatch); the old log-probs
-    always come from `model`. Sampling draws from the global torch RNG.
+    `sampler` samples instead of `model` (e.g. a bf16 or fp8-rounded copy: a sampler/trainer mismatch); sampling
+    draws from the global torch RNG. π_old is the trainer's log-probs from that forward (`old_logprob_source`
+    "trainer") or the sampler's own ("sampler"). `correction` (see `sampler.correction_weights`, bounds
+    `correction_clip` = (min, max)) weights the updates by exp(log p_trainer − log p_sampler) from that forward.
 
     Example:
         >>> prompts, answers = task.sample(16, torch.Generator().manual_seed(0))  # doctest: +SKIP
@@ -122,12 +133,14 @@ def rollout(
     """
     if replay not in REPLAY_MODES:
         raise ValueError(f"replay must be one of {REPLAY_MODES}, got {replay!r}")
+    if old_logprob_source not in ("trainer", "sampler"):
+        raise ValueError(f"old_logprob_source must be 'trainer' or 'sampler', got {old_logprob_source!r}")
     prompts = prompts.repeat_interleave(group_size, 0)
     answers = answers.repeat_interleave(group_size, 0)
     sampler = model if sampler is None else sampler
     sampler.eval()
     with record_routes(sampler) as rec:
-        seq = sample_answers(sampler, prompts, task.answer_len)
+        seq, sampler_logp = sample_with_logp(sampler, prompts, task.answer_len)
     routes = rec.routes
     tp = prompts.shape[1]
     completions = seq[:, tp:]
@@ -139,15 +152,19 @@ def rollout(
     model.eval()
     if replay == "rollout":
         train_routes = routes
-        old = answer_logp(model, seq, tp, train_routes)
+        trainer = answer_logp(model, seq, tp, train_routes)
     elif replay == "old_logprob":
         with record_routes(model) as old_rec:
-            old = answer_logp(model, seq, tp)
+            trainer = answer_logp(model, seq, tp)
         train_routes = old_rec.routes
     else:
         train_routes = None
-        old = answer_logp(model, seq, tp)
-    return Rollout(seq, tp, routes, rewards, exact, advantages, old, mask, replay, train_routes)
+        trainer = answer_logp(model, seq, tp)
+    old = trainer if old_logprob_source == "trainer" else sampler_logp
+    weights = correction_weights(trainer, sampler_logp, mask, correction, *correction_clip)
+    return Rollout(
+        seq, tp, routes, rewards, exact, advantages, old, mask, replay, train_routes, sampler_logp, trainer, weights
+    )
 
 
 def minibatch_update(
@@ -160,33 +177,47 @@ def minibatch_update(
     epsilon_low: float | None = None,
     epsilon_high: float | None = None,
     max_grad_norm: float = 1.0,
+    off_policy_mask_threshold: float | None = None,
+    live_counterfactual: bool = False,
+    flags: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
     """One optimizer step of the policy loss on the answers `index` (default: all) of `batch`, replaying its
-    `train_routes` if it has any: train mode, forward, `policy_loss`, backward, gradient clipping to
-    `max_grad_norm`, step, zero_grad. Returns the loss, the gradient norm before clipping and the loss's metrics.
+    `train_routes` if it has any: train mode, forward, `policy_loss` (weighted by the batch's sampler correction
+    and, with `off_policy_mask_threshold`, the off-policy sequence mask), backward, gradient clipping to
+    `max_grad_norm`, step, zero_grad. Returns the loss, the gradient norm before clipping and the loss's metrics;
+    `live_counterfactual` adds `clip_ratio/live_counterfactual`: the clip fraction a live-routed forward of the
+    same weights would have had (for replayed batches: what replay changed). `flags`, if given, gets this
+    minibatch's per-token clip flags and |log-ratio| appended (`clip_fractions`), for statistics pooled over tokens.
 
     Example:
         >>> m = minibatch_update(model, opt, batch, idx, importance_sampling_level="sequence")  # doctest: +SKIP
         >>> m["loss"], m["grad_norm"], m["clip_ratio/region_mean"]  # doctest: +SKIP
     """
     model.train()
-    seq, old, adv, mask = batch.sequences, batch.old_logp, batch.advantages, batch.mask
-    routes = batch.train_routes
-    if index is not None:
-        seq, old, adv, mask = seq[index], old[index], adv[index], mask[index]
-        routes = routes[index] if routes is not None else None
+    idx = slice(None) if index is None else index
+    seq, old, adv, mask = batch.sequences[idx], batch.old_logp[idx], batch.advantages[idx], batch.mask[idx]
+    routes = batch.train_routes[idx] if batch.train_routes is not None and index is not None else batch.train_routes
+    clip = dict(importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
+    extra: dict[str, float] = {}
+    if live_counterfactual:
+        with torch.no_grad():
+            live = answer_logp(model, seq, batch.prompt_len)
+        extra["clip_ratio/live_counterfactual"] = (
+            clip_fractions(live, old, adv, mask, **clip)["region"].float().mean().item()
+        )
     logp = answer_logp(model, seq, batch.prompt_len, routes)
-    loss, metrics = policy_loss(
-        logp,
-        old,
-        adv,
-        mask,
-        importance_sampling_level=importance_sampling_level,
-        epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high,
-    )
+    weights = batch.weights[idx] if batch.weights is not None else None
+    if off_policy_mask_threshold is not None:
+        keep = off_policy_mask(adv, logp, batch.sampler_logp[idx], mask, off_policy_mask_threshold)
+        extra["off_policy_mask/dropped"] = 1.0 - keep.mean().item()
+        weights = keep if weights is None else weights * keep
+    loss, metrics = policy_loss(logp, old, adv, mask, weights=weights, **clip)
+    if flags is not None:
+        flags.append(clip_fractions(logp.detach(), old, adv, mask, **clip))
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.item(), "grad_norm": float(grad_norm), **metrics}
+    if batch.weights is not None:
+        extra["sampler_correction/weight_mean"] = weights.float().mean().item() if weights is not None else 1.0
+    return {"loss": loss.item(), "grad_norm": float(grad_norm), **metrics, **extra}

@@ -73,8 +73,45 @@ class Task:
         """Tokens per answer, EOS excluded."""
         return self.size + 1 if self.kind == "addition" else self.size
 
-    def sample(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """`n` prompts [n, prompt_len] and their answers [n, answer_len], deterministic given the generator."""
+    def sample(
+        self, n: int, generator: torch.Generator, exclude: frozenset[tuple[int, ...]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`n` prompts [n, prompt_len] and their answers [n, answer_len], deterministic given the generator; a
+        prompt in `exclude` (token tuples, e.g. held-out prompts) is drawn again from the same generator."""
+        prompts, answers = self._draw(n, generator)
+        while exclude:
+            hit = [i for i, p in enumerate(prompts.tolist()) if tuple(p) in exclude]
+            if not hit:
+                break
+            new_p, new_a = self._draw(len(hit), generator)
+            prompts[hit], answers[hit] = new_p, new_a
+        return prompts, answers
+
+    def heldout(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`n` distinct prompts and answers drawn from their own generator (`seed`): an evaluation set that
+        training excludes with `sample(..., exclude=...)`.
+
+        Example:
+            >>> prompts, answers = Task("addition", 2).heldout(4, seed=0)
+            >>> len({tuple(p) for p in prompts.tolist()})
+            4
+        """
+        space = 10 ** (2 * self.size if self.kind == "addition" else self.size)
+        if n > space // 2:
+            raise ValueError(f"{n} held-out prompts would be over half of the task's {space} prompts")
+        g = torch.Generator().manual_seed(seed)
+        seen: dict[tuple[int, ...], int] = {}
+        rows_p, rows_a = [], []
+        while len(rows_p) < n:
+            p, a = self._draw(n, g)
+            for pi, ai in zip(p.tolist(), a.tolist(), strict=True):
+                if tuple(pi) not in seen and len(rows_p) < n:
+                    seen[tuple(pi)] = len(rows_p)
+                    rows_p.append(pi)
+                    rows_a.append(ai)
+        return torch.tensor(rows_p), torch.tensor(rows_a)
+
+    def _draw(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         digits = torch.randint(0, 10, (n, 2 * self.size if self.kind == "addition" else self.size), generator=generator)
         prompts, answers = [], []
         for row in digits.tolist():
