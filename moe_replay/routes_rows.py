@@ -58,7 +58,12 @@ def engine_columns(layers: Sequence[LayerInfo], num_columns: int) -> list[int]:
 
 
 def as_tensor(row: Any) -> torch.Tensor:
-    """A row of routes as a CPU tensor without a copy where possible (numpy arrays, tensors, nested lists)."""
+    """A row of routes as a CPU tensor without a copy where possible (numpy arrays, tensors, nested lists).
+
+    Example:
+        >>> as_tensor(np.zeros((2, 1, 2), dtype=np.uint16)).dtype
+        torch.int32
+    """
     if isinstance(row, torch.Tensor):
         return row
     if isinstance(row, np.ndarray):
@@ -72,7 +77,12 @@ def as_tensor(row: Any) -> torch.Tensor:
 
 
 def layer_range(picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per layer, the smallest and largest id of `picked` [n, L, K] (contiguous reductions over [n, L·K])."""
+    """Per layer, the smallest and largest id of `picked` [n, L, K] (contiguous reductions over [n, L·K]).
+
+    Example:
+        >>> [t.tolist() for t in layer_range(torch.tensor([[[0, 3], [1, 2]]]))]
+        [[0, 1], [3, 2]]
+    """
     n, L, K = picked.shape
     flat = picked.reshape(n, L * K)
     lo = flat.amin(0).reshape(L, K).amin(1) if picked.dtype.is_signed else torch.zeros(L, dtype=picked.dtype)
@@ -80,7 +90,12 @@ def layer_range(picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def empty_positions(picked: torch.Tensor, zeros_empty: bool) -> torch.Tensor:
-    """bool [n]: positions of `picked` [n, L, K] whose ids are all negative, or (with `zeros_empty`) all zero."""
+    """bool [n]: positions of `picked` [n, L, K] whose ids are all negative, or (with `zeros_empty`) all zero.
+
+    Example:
+        >>> empty_positions(torch.tensor([[[-1, -1]], [[0, 0]], [[0, 1]]]), zeros_empty=True).tolist()
+        [True, True, False]
+    """
     empty = (picked < 0).flatten(1).all(1)
     if zeros_empty:
         empty |= (picked == 0).flatten(1).all(1)

@@ -42,7 +42,12 @@ def layers_of(model: nn.Module | Sequence[LayerInfo]) -> tuple[LayerInfo, ...]:
 
 
 def decoder_layers(model: nn.Module | Sequence[LayerInfo]) -> int | None:
-    """`num_hidden_layers` (Hugging Face) or `num_layers` (megatron-core) of a model's config; None if unknown."""
+    """`num_hidden_layers` (Hugging Face) or `num_layers` (megatron-core) of a model's config; None if unknown.
+
+    Example:
+        >>> decoder_layers([LayerInfo("l0", 4, 2)]) is None
+        True
+    """
     config = getattr(model, "config", None)
     for key in ("num_hidden_layers", "num_layers"):
         value = getattr(config, key, None)
@@ -52,7 +57,12 @@ def decoder_layers(model: nn.Module | Sequence[LayerInfo]) -> int | None:
 
 
 def check_columns(engine: str, columns: int, layers: Sequence[LayerInfo], decoder: int | None) -> None:
-    """Raise unless an engine's column count is one per MoE layer or one per decoder layer of the model."""
+    """Raise unless an engine's column count is one per MoE layer or one per decoder layer of the model (`decoder`;
+    None: unknown, nothing to check).
+
+    Example:
+        >>> check_columns("SGLang", 3, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], decoder=3)
+    """
     if decoder is None:  # unknown (a list of LayerInfo): the decoder-layer numbers in the names must fit
         return
     if columns not in (len(layers), decoder):
@@ -63,7 +73,11 @@ def check_columns(engine: str, columns: int, layers: Sequence[LayerInfo], decode
 
 
 def check_row_length(engine: str, where: str, rows: int, prompt: int, completion: int) -> None:
-    """Raise unless an engine returned prompt + completion - 1 rows (the last sampled token is never an input)."""
+    """Raise unless an engine returned prompt + completion - 1 rows (the last sampled token is never an input).
+
+    Example:
+        >>> check_row_length("vLLM", "output 0", rows=7, prompt=5, completion=3)
+    """
     if rows != prompt + completion - 1:
         raise ValueError(
             f"{engine} {where}: routes hold {rows} positions but its {prompt} prompt and {completion} completion "
@@ -72,7 +86,12 @@ def check_row_length(engine: str, where: str, rows: int, prompt: int, completion
 
 
 def count(value: Any, name: str, where: str) -> int:
-    """len() of a token list, or an int count, or a clear error."""
+    """len() of a token list, or an int count, or a clear error.
+
+    Example:
+        >>> count([5, 6, 7], "token_ids", "vLLM output 0"), count(4, "prompt_tokens", "SGLang response 1")
+        (3, 4)
+    """
     if isinstance(value, int):
         return value
     if value is None:

@@ -32,7 +32,7 @@ def decode(ids: list[int] | torch.Tensor) -> str:
 
     Example:
         >>> decode([1, 4, 5, 2])
-        '^01$'
+        '^12$'
     """
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
     special = {PAD: "", BOS: "^", EOS: "$"}
