@@ -65,7 +65,7 @@ def as_tensor(row: Any) -> torch.Tensor:
         torch.int32
     """
     if isinstance(row, torch.Tensor):
-        return row
+        return row.cpu()  # routes are laid out on the host (rows on an accelerator are copied once)
     if isinstance(row, np.ndarray):
         if row.dtype == np.uint16:  # torch reads uint16 only for a few ops: widen (ids < 65536 fit int32)
             row = row.astype(np.int32)

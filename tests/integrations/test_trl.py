@@ -233,3 +233,30 @@ def test_layout_checks_name_both_sides():
     shifted = Routes(routes.indices, span.roll(1, 1), routes.layers)
     with pytest.raises(ReplayError, match=r"do not line up with TRL's row 0: they cover positions 2..4 but .* 1..3"):
         routes_for_batch(shifted, [[5, 6], [5, 6, 8]], [[7, 1], [1]], ids, completion_width=4)
+
+
+def test_gradient_accumulation_and_evaluation(tmp_path):
+    """gradient_accumulation_steps=2 (one replay per micro-batch, each open through its backward) and evaluation
+    (prediction_step replays without a backward): every loss forward uses the replayed experts; eval metrics logged."""
+    trainer = Spy(
+        model=tiny_policy(),
+        reward_funcs=reward,
+        args=config(
+            tmp_path,
+            gradient_accumulation_steps=2,
+            eval_strategy="steps",
+            eval_steps=1,
+            per_device_eval_batch_size=4,
+            num_generations_eval=2,
+        ),
+        train_dataset=prompts(),
+        eval_dataset=prompts(8),
+        processing_class=tiny_tokenizer(),
+        routing_replay="rollout",
+    )
+    trainer.train()
+    assert len(trainer.used) >= 2 * 2 + 2  # 2 steps x 2 micro-batches, and the evaluations' forwards
+    for replayed, used in trainer.used:
+        m = replayed.mask
+        assert torch.equal(used.indices.long().sort(-1).values[m], replayed.indices.long().sort(-1).values[m])
+    assert any("eval_routing/routes_moved_since_rollout" in row for row in trainer.state.log_history)

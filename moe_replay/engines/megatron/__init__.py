@@ -11,6 +11,7 @@ Example:
 """
 
 from .context import INSTALL_HINT, find_routers, is_megatron_model
+from .cp import cp_positions, routes_from_cp, routes_to_cp
 from .record import MegatronRouteRecorder, record_routes
 from .replay import MegatronRouteReplayer, replay_routes
 from .rows import routes_to_rows, rows_to_routes
@@ -19,10 +20,13 @@ __all__ = [
     "INSTALL_HINT",
     "MegatronRouteRecorder",
     "MegatronRouteReplayer",
+    "cp_positions",
     "find_routers",
     "is_megatron_model",
     "record_routes",
     "replay_routes",
+    "routes_from_cp",
+    "routes_to_cp",
     "routes_to_rows",
     "rows_to_routes",
 ]

@@ -89,8 +89,9 @@ def find_routers(model: nn.Module) -> list[Site]:
             "CUDA graphs (a captured router skips the replay hooks)": getattr(config, "cuda_graph_impl", "none")
             not in ("none", None)
             or getattr(config, "enable_cuda_graph", False),
-            "context parallelism (its sequence layout is not supported)": getattr(config, "context_parallel_size", 1)
-            > 1,
+            "context parallelism (untested end to end: megatron-core's local attention asserts CP == 1 and Transformer "
+            "Engine needs CUDA; the layout mapping is ready in moe_replay.engines.megatron.routes_to_cp / "
+            "routes_from_cp)": getattr(config, "context_parallel_size", 1) > 1,
             "pipeline parallelism (not supported yet: a stage holds only some layers, named locally)": getattr(
                 config, "pipeline_model_parallel_size", 1
             )
