@@ -8,7 +8,7 @@ owns the router (the MoE block), which covers families that take the top-k outsi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -39,10 +39,10 @@ class RouterSite:
     logits_index: int
 
 
-def _router_recorders(model: nn.Module) -> list[tuple[type, int, str | None]]:
+def _router_recorders(modules: Iterable[nn.Module]) -> list[tuple[type, int, str | None]]:
     """(router class, logits output index, layer_name filter) registered by the model and its inner models."""
     found: list[tuple[type, int, str | None]] = []
-    for module in model.modules():
+    for module in modules:
         spec = getattr(type(module), "_can_record_outputs", None)
         if not isinstance(spec, dict) or "router_logits" not in spec:
             continue
@@ -54,20 +54,21 @@ def _router_recorders(model: nn.Module) -> list[tuple[type, int, str | None]]:
     return found
 
 
-def find_routers(model: nn.Module) -> list[RouterSite]:
+def find_routers(model: nn.Module, modules: Mapping[str, nn.Module] | None = None) -> list[RouterSite]:
     """List the MoE routers of `model` in module order, or raise UnsupportedModelError naming the classes involved.
+    `modules` is `dict(model.named_modules())` if the caller has it already (one walk of the model per context).
 
     Example:
         >>> [site.name for site in find_routers(model)]  # doctest: +SKIP
         ['model.layers.0.mlp.gate', 'model.layers.1.mlp.gate']
     """
-    recorders = _router_recorders(model)
+    modules = dict(model.named_modules()) if modules is None else modules
+    recorders = _router_recorders(modules.values())
     if not recorders:
         raise UnsupportedModelError(
             f"{type(model).__name__} registers no router outputs (no `_can_record_outputs['router_logits']` on any "
             "of its pretrained-model classes): it is not a transformers MoE model moe-replay recognises"
         )
-    modules = dict(model.named_modules())
     sites: list[RouterSite] = []
     for name, module in modules.items():
         for cls, index, layer_name in recorders:

@@ -52,7 +52,8 @@ class RouterHub:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.sites: list[RouterSite] = find_routers(model)
+        self._modules = dict(model.named_modules())  # one walk of the model per hub, shared by discovery and install
+        self.sites: list[RouterSite] = find_routers(model, self._modules)
         self.tracker = StepTracker()
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
@@ -111,6 +112,7 @@ class RouterHub:
     def _install(self) -> None:
         self._patches.set(self.model, MARKER, self)
         self._tracked = self._tracked_modules()
+        self._modules = {}  # only needed to install: do not keep every module of the model alive through the hub
         for module in self._tracked:
             self._patches.patch(module, "forward", self._step_wrapper)
             if callable(getattr(module, "generate", None)):
@@ -130,7 +132,7 @@ class RouterHub:
 
         names = [site.name for site in self.sites]
         found = [self.model]
-        for prefix, module in self.model.named_modules():
+        for prefix, module in self._modules.items():
             if prefix and isinstance(module, PreTrainedModel) and all(n.startswith(prefix + ".") for n in names):
                 found.append(module)
         return found

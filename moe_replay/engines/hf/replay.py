@@ -28,7 +28,8 @@ class RouteReplayer:
         self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device)
         self._hub: RouterHub | None = None
         self._mask_cpu = routes.mask.cpu()
-        self._covered = torch.zeros(routes.seq_len, len(routes.layers), dtype=torch.bool)
+        self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
+        self._all_recorded: dict[tuple[int, int], bool] = {}  # per span: every position recorded (no live mix)
         self._columns: dict[str, int] = {}
 
     def __enter__(self) -> RouteReplayer:
@@ -40,7 +41,7 @@ class RouteReplayer:
         except ReplayError:
             hub.detach(self)
             raise
-        self._covered.zero_()
+        self._covered.clear()
         self._hub = hub
         return self
 
@@ -76,8 +77,10 @@ class RouteReplayer:
         info = r.layers[layer]
         indices = r.indices[:, step.start : end, layer].reshape(step.tokens, info.top_k).long()
         mask = r.mask[:, step.start : end].reshape(step.tokens)
-        self._covered[step.start : end, layer] = True
-        all_recorded = bool(self._mask_cpu[:, step.start : end].all())
+        self._covered.add((step.start, end, layer))
+        all_recorded = self._all_recorded.get((step.start, end))
+        if all_recorded is None:  # once per span, not per router call (a host-side check of the CPU mask copy)
+            all_recorded = self._all_recorded[step.start, end] = bool(self._mask_cpu[:, step.start : end].all())
         on_live = (lambda live, used: self._tally(layer, mask, live, used)) if self.track_live else None
         return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live)
 
@@ -105,8 +108,11 @@ class RouteReplayer:
         return self._moved.clone(), self._compared.clone()
 
     def _check_consumed(self) -> None:
+        covered = torch.zeros(self.routes.seq_len, len(self.routes.layers), dtype=torch.bool)
+        for start, end, layer in self._covered:
+            covered[start:end, layer] = True
         needed = self._mask_cpu.any(0)  # [T]
-        missing = needed[:, None] & ~self._covered  # [T, L]
+        missing = needed[:, None] & ~covered  # [T, L]
         if missing.any():
             layers = [self.routes.layers[i].name for i in missing.any(0).nonzero().flatten().tolist()]
             positions = missing.any(1).nonzero().flatten().tolist()

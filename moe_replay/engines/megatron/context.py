@@ -40,7 +40,19 @@ def is_megatron_model(model: nn.Module) -> bool:
         >>> is_megatron_model(torch.nn.Linear(2, 2))
         False
     """
+    if type(model).__module__.startswith("megatron."):
+        return True
+    if _is_transformers_model(model):  # a transformers model holds no megatron module: skip the walk
+        return False
     return any(type(m).__module__.startswith("megatron.") for m in model.modules())
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Whether `model` is a transformers `PreTrainedModel`, without importing transformers if it is not loaded."""
+    import sys
+
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 @dataclass
