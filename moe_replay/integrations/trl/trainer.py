@@ -92,6 +92,11 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         try:
             out = super()._generate_and_score_completions(inputs)
             if self._rr_rows is None:  # no old-log-prob pass ran (on-policy settings)
+                if self.routing_replay == "old_logprob":
+                    raise ReplayError(
+                        "routing_replay='old_logprob' found no old-log-prob pass for this generation to record "
+                        "(TRL computes old log-probs only off-policy)"
+                    )
                 ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
                 self._rr_rows = self._rollout_rows(ids, out["completion_ids"].shape[1])
             rows = self._rr_rows
@@ -109,9 +114,15 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         return rows.to(input_ids.device)
 
     # ---- log-prob passes ----------------------------------------------------------------------------------------
-    def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kw
-    ):  # noqa: ANN001, ANN202, E501
+    def _get_per_token_logps_and_entropies(  # noqa: ANN202
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        **kw,  # noqa: ANN001, ANN003
+    ):
         if self.routing_replay is None or self._rr_phase != "generation" or not self._is_policy(model):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, **kw
@@ -119,7 +130,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         if self._rr_rows is not None:
             raise ReplayError(
                 "a second policy log-prob pass over one generation: routing replay cannot tell them apart"
-            )  # noqa: E501
+            )
         extra = sorted(k for k, v in kw.items() if v is not None and k not in ("compute_entropy", "compute_aux_loss"))
         if extra:
             raise ValueError(f"routing_replay does not support the model inputs {extra} (multimodal) yet")
