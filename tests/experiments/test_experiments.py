@@ -92,3 +92,26 @@ def test_mechanism_quick_preset(tmp_path):
     assert (frame.var_log_ratio >= 0).all()
     image = mpimg.imread(out / "mechanism.png")
     assert image.shape[0] > 300 and image.shape[1] > 800
+
+
+def test_mismatch_quick_preset(tmp_path):
+    cmd = [
+        sys.executable,
+        str(ROOT / "experiments" / "mismatch.py"),
+        "--preset",
+        "quick",
+        "--out",
+        str(tmp_path / "out"),
+        "--runs",
+        str(tmp_path / "runs"),
+        "--quiet",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    steps = pd.read_csv(tmp_path / "out" / "mismatch_steps.csv")
+    assert steps.arm.nunique() == 10 and set(steps.source) == {"trainer", "sampler"}
+    assert steps["eval/sampled/reward"].between(0, 1).all() and (steps["mismatch/fraction"] > 0).all()
+    summary = pd.read_csv(tmp_path / "out" / "mismatch_summary.csv")
+    assert len(summary) == 10 and summary.set_index("arm").loc["GRPO, π_old sampler", "gap_to_grpo_mean"] == 0
+    image = mpimg.imread(tmp_path / "out" / "mismatch.png")
+    assert image.shape[0] > 300 and image.shape[1] > 800
