@@ -1,5 +1,10 @@
-"""Tools moe-replay plugs into (TRL's trainer, routes returned by vLLM and SGLang), one module each, imported lazily
-so that each dependency stays optional. An integration builds on the engines; an engine never imports one.
+"""Tools moe-replay plugs into, one module each, imported lazily so that each dependency stays optional:
 
-`moe_replay.integrations.megatron` is a shim for `moe_replay.engines.megatron`.
+- `moe_replay.integrations.trl`: `RoutingReplayGRPOTrainer`, TRL's GRPOTrainer with `routing_replay` (the `[trl]`
+  extra);
+- `moe_replay.integrations.vllm` / `.sglang`: `routes_from_vllm` / `routes_from_sglang`, the routes those engines
+  return as `Routes` (no engine dependency: they read the engines' outputs).
+
+An integration builds on the engines; an engine never imports one. `moe_replay.integrations.megatron` is a shim for
+`moe_replay.engines.megatron`.
 """
