@@ -17,23 +17,12 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from run import REALISTIC  # the benchmark's realistic model (benchmarks/run.py, beside this script)
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
 from moe_replay.integrations.trl import RoutingReplayGRPOTrainer
 from moe_replay.tiny import tiny_moe, tiny_tokenizer
-
-REALISTIC = dict(
-    hidden_size=512,
-    intermediate_size=1024,
-    moe_intermediate_size=256,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    num_experts=64,
-    num_experts_per_tok=8,
-)
 
 
 class StepTimes(TrainerCallback):

@@ -102,6 +102,21 @@ def empty_positions(picked: torch.Tensor, zeros_empty: bool) -> torch.Tensor:
     return empty
 
 
+def pad_offsets(pad_left: Sequence[int] | torch.Tensor | None, rows: int) -> list[int]:
+    """`pad_left` as one int offset per row (default 0), or a ValueError naming both counts.
+
+    Example:
+        >>> pad_offsets(torch.tensor([2, 0]), 2), pad_offsets(None, 3)
+        ([2, 0], [0, 0, 0])
+    """
+    if torch.is_tensor(pad_left):
+        pad_left = pad_left.tolist()
+    pads = [0] * rows if pad_left is None else [int(p) for p in pad_left]
+    if len(pads) != rows:
+        raise ValueError(f"pad_left has {len(pads)} offsets for {rows} rows")
+    return pads
+
+
 def routes_from_rows(
     rows: Sequence[Any],
     layers: Sequence[LayerInfo],
@@ -121,13 +136,7 @@ def routes_from_rows(
     B = len(rows)
     if not layers:
         raise ValueError("Routes.from_rows needs at least one LayerInfo")
-    pads = (
-        [0] * B
-        if pad_left is None
-        else [int(p) for p in (pad_left.tolist() if torch.is_tensor(pad_left) else pad_left)]
-    )
-    if len(pads) != B:
-        raise ValueError(f"pad_left has {len(pads)} offsets for {B} rows")
+    pads = pad_offsets(pad_left, B)
     tensors = [as_tensor(r) for r in rows]
     for i, t in enumerate(tensors):
         if t.dim() != 3 or t.dtype.is_floating_point or t.dtype == torch.bool:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..routes import LayerInfo, Routes
+from ..routes_rows import pad_offsets
 from .rollout import check_columns, check_row_length, decoder_layers, layers_of
 
 FLAG = "launch SGLang with --enable-return-routed-experts and send return_routed_experts=True with the request"
@@ -60,12 +61,7 @@ def routes_from_sglang(
     decoded = [_decode(resp, i, K, columns) for i, resp in enumerate(responses)]
     for row, _ in decoded:
         check_columns("SGLang", row.shape[1], layers, columns)
-    if torch.is_tensor(pad_left):
-        pad_left = pad_left.tolist()
-    pads = [0] * len(decoded) if pad_left is None else list(pad_left)
-    if len(pads) != len(decoded):
-        raise ValueError(f"pad_left has {len(pads)} offsets for {len(decoded)} responses")
-    starts = [p + start for p, (_, start) in zip(pads, decoded, strict=True)]
+    starts = [p + start for p, (_, start) in zip(pad_offsets(pad_left, len(decoded)), decoded, strict=True)]
     return Routes.from_rows([row for row, _ in decoded], layers, pad_left=starts, seq_len=seq_len)
 
 

@@ -82,9 +82,7 @@ def policy_loss(
         raise ValueError(
             "sequence-level GSPO takes one advantage per answer; use 'sequence_token' for token-level ones"
         )
-    low, high = DEFAULT_EPSILON[importance_sampling_level]
-    low = low if epsilon_low is None else epsilon_low
-    high = high if epsilon_high is None else epsilon_high
+    low, high = clip_range(importance_sampling_level, epsilon_low, epsilon_high)
 
     mask = mask.to(torch.bool)
     m = mask.to(logp.dtype)
@@ -138,18 +136,31 @@ def clip_fractions(
         >>> flags = clip_fractions(logp, old_logp, adv, mask)  # doctest: +SKIP
         >>> flags["region"].float().mean()  # doctest: +SKIP
     """
-    low, high = DEFAULT_EPSILON[importance_sampling_level]
-    low = low if epsilon_low is None else epsilon_low
-    high = high if epsilon_high is None else epsilon_high
+    low, high = clip_range(importance_sampling_level, epsilon_low, epsilon_high)
     mask = mask.to(torch.bool)
     m = mask.to(logp.dtype)
     log_ratio = (logp - old_logp) * m
     ratio = _ratio(logp, log_ratio, m.sum(1).clamp_min(1), importance_sampling_level)
     adv = advantages.to(logp.dtype)
     adv = (adv if adv.dim() == 2 else adv[:, None].expand_as(logp))[mask]
-    r = ratio[mask]
-    lo, hi = (r < 1 - low) & (adv < 0), (r > 1 + high) & (adv > 0)
+    lo, hi = _clipped(ratio[mask], adv, low, high)
     return {"low": lo, "high": hi, "region": lo | hi, "abs_log_ratio": log_ratio[mask].abs().float()}
+
+
+def clip_range(level: str, epsilon_low: float | None, epsilon_high: float | None) -> tuple[float, float]:
+    """(low, high) of the clip band [1 − low, 1 + high]: the given epsilons, else `DEFAULT_EPSILON[level]`.
+
+    Example:
+        >>> clip_range("token", None, 0.3)
+        (0.2, 0.3)
+    """
+    low, high = DEFAULT_EPSILON[level]
+    return (low if epsilon_low is None else epsilon_low), (high if epsilon_high is None else epsilon_high)
+
+
+def _clipped(r: torch.Tensor, a: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ratios `r` with advantages `a` are clipped below (r < 1 − low, a < 0) and above (r > 1 + high, a > 0)."""
+    return (r < 1 - low) & (a < 0), (r > 1 + high) & (a > 0)
 
 
 def _metrics(ratio, log_ratio, adv, mask, low, high) -> dict[str, float]:  # noqa: ANN001
@@ -157,8 +168,8 @@ def _metrics(ratio, log_ratio, adv, mask, low, high) -> dict[str, float]:  # noq
     with torch.no_grad():
         r, a = ratio.detach()[mask], adv.detach()[mask]
         n = max(r.numel(), 1)
-        low_c = ((r < 1 - low) & (a < 0)).sum().item() / n
-        high_c = ((r > 1 + high) & (a > 0)).sum().item() / n
+        lo, hi = _clipped(r, a, low, high)
+        low_c, high_c = lo.sum().item() / n, hi.sum().item() / n
         abs_lr = log_ratio.detach()[mask].abs().float()
         q = abs_lr.quantile(torch.tensor([0.5, 0.9, 0.99])).tolist() if abs_lr.numel() else [0.0, 0.0, 0.0]
         return {

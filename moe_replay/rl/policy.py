@@ -51,7 +51,7 @@ def scale_routers(model: nn.Module, scale: float) -> None:
     distribution gets sharper (> 1) or flatter (< 1) while the experts it picks right now stay the same.
 
     Example:
-        >>> scale_routers(model, 0.25)  # flatter routing: smaller logit margins, so updates flip experts more easily
+        >>> scale_routers(model, 0.25)  # doctest: +SKIP
     """
     from ..engines.hf import find_routers
 
@@ -144,13 +144,23 @@ def sample_answers(model: nn.Module, prompts: torch.Tensor, answer_len: int) -> 
     Example:
         >>> seq = sample_answers(model, prompts, task.answer_len)  # doctest: +SKIP
     """
-    return model.generate(
-        input_ids=prompts,
-        attention_mask=torch.ones_like(prompts),
-        do_sample=True,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=answer_len,
-        min_new_tokens=answer_len,
-        pad_token_id=PAD,
-    )
+    return model.generate(**sampling_kwargs(prompts, answer_len))
+
+
+def sampling_kwargs(prompts: torch.Tensor, answer_len: int) -> dict[str, Any]:
+    """The `generate` arguments of the loop's sampling: exactly `answer_len` tokens at temperature 1, no top-k / top-p.
+
+    Example:
+        >>> sampling_kwargs(torch.tensor([[1, 4]]), 3)["max_new_tokens"]
+        3
+    """
+    return {
+        "input_ids": prompts,
+        "attention_mask": torch.ones_like(prompts),
+        "do_sample": True,
+        "top_k": 0,
+        "top_p": 1.0,
+        "max_new_tokens": answer_len,
+        "min_new_tokens": answer_len,
+        "pad_token_id": PAD,
+    }

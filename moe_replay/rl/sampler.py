@@ -12,7 +12,7 @@ import copy
 import torch
 from torch import nn
 
-from .tasks import PAD
+from .policy import sampling_kwargs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANT = {"none": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -48,18 +48,7 @@ def sample_with_logp(model: nn.Module, prompts: torch.Tensor, answer_len: int) -
     Example:
         >>> seq, sampler_logp = sample_with_logp(sampler, prompts, task.answer_len)  # doctest: +SKIP
     """
-    out = model.generate(
-        input_ids=prompts,
-        attention_mask=torch.ones_like(prompts),
-        do_sample=True,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=answer_len,
-        min_new_tokens=answer_len,
-        pad_token_id=PAD,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
+    out = model.generate(**sampling_kwargs(prompts, answer_len), output_logits=True, return_dict_in_generate=True)
     logits = torch.stack(out.logits, 1).float()  # [N, A, V], raw: temperature 1, no top-k / top-p
     answers = out.sequences[:, prompts.shape[1] :]
     return out.sequences, torch.log_softmax(logits, -1).gather(-1, answers[..., None]).squeeze(-1)

@@ -13,20 +13,17 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_compare_quick_preset(tmp_path):
-    cmd = [
-        sys.executable,
-        str(ROOT / "experiments" / "compare.py"),
-        "--preset",
-        "quick",
-        "--out",
-        str(tmp_path / "out"),
-        "--runs",
-        str(tmp_path / "runs"),
-        "--quiet",
-    ]
+def run_quick(script: str, tmp_path: Path) -> Path:
+    """Run `experiments/<script> --preset quick` writing into tmp_path; returns the output folder."""
+    cmd = [sys.executable, str(ROOT / "experiments" / script), "--preset", "quick", "--quiet"]
+    cmd += ["--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+    return tmp_path / "out"
+
+
+def test_compare_quick_preset(tmp_path):
+    run_quick("compare.py", tmp_path)
     steps = pd.read_csv(tmp_path / "out" / "compare_steps.csv")
     assert set(steps.arm) == {"GRPO", "GRPO + replay", "GSPO", "GSPO + replay"}
     assert steps.groupby("arm").step.max().eq(8).all() and steps.reward_mean.between(0, 1).all()
@@ -40,25 +37,13 @@ def test_compare_quick_preset(tmp_path):
 
 
 def test_sweep_quick_preset(tmp_path):
-    cmd = [sys.executable, str(ROOT / "experiments" / "sweep.py"), "--preset", "quick", "--quiet"]
-    cmd += ["--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_quick("sweep.py", tmp_path)
     steps = pd.read_csv(tmp_path / "out" / "sweep_steps.csv")
     assert set(steps.setting) == {"base", "bf16"} and set(steps.arm) == {"GRPO", "GRPO + replay"}
     summary = pd.read_csv(tmp_path / "out" / "sweep_summary.csv").set_index("setting")
     assert summary.loc["base", "mismatch"] == 0.0  # an fp32 sampler routes exactly like the fp32 trainer
     assert summary.loc["bf16", "mismatch"] > 0.0  # a bf16 sampler does not
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 10_000
-
-
-def run_quick(script: str, tmp_path: Path) -> Path:
-    """Run `experiments/<script> --preset quick` writing into tmp_path; returns the output folder."""
-    cmd = [sys.executable, str(ROOT / "experiments" / script), "--preset", "quick", "--quiet"]
-    cmd += ["--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return tmp_path / "out"
 
 
 def test_expert_change_quick_preset(tmp_path):
@@ -95,19 +80,7 @@ def test_mechanism_quick_preset(tmp_path):
 
 
 def test_mismatch_quick_preset(tmp_path):
-    cmd = [
-        sys.executable,
-        str(ROOT / "experiments" / "mismatch.py"),
-        "--preset",
-        "quick",
-        "--out",
-        str(tmp_path / "out"),
-        "--runs",
-        str(tmp_path / "runs"),
-        "--quiet",
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_quick("mismatch.py", tmp_path)
     steps = pd.read_csv(tmp_path / "out" / "mismatch_steps.csv")
     assert steps.arm.nunique() == 10 and set(steps.source) == {"trainer", "sampler"}
     assert steps["eval/sampled/reward"].between(0, 1).all() and (steps["mismatch/fraction"] > 0).all()

@@ -52,8 +52,8 @@ class RouterHub:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._modules = dict(model.named_modules())  # one walk of the model per hub, shared by discovery and install
-        self.sites: list[RouterSite] = find_routers(model, self._modules)
+        modules = dict(model.named_modules())  # one walk of the model per hub, shared by discovery and install
+        self.sites: list[RouterSite] = find_routers(model, modules)
         self.tracker = StepTracker()
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
@@ -68,7 +68,7 @@ class RouterHub:
         self._patches = Patches(owner=self)
         self._generating = 0
         self._synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
-        self._tracked: list[nn.Module] = []
+        self._tracked: list[nn.Module] = self._tracked_modules(modules)
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     @classmethod
@@ -111,8 +111,6 @@ class RouterHub:
 
     def _install(self) -> None:
         self._patches.set(self.model, MARKER, self)
-        self._tracked = self._tracked_modules()
-        self._modules = {}  # only needed to install: do not keep every module of the model alive through the hub
         for module in self._tracked:
             self._patches.patch(module, "forward", self._step_wrapper)
             if callable(getattr(module, "generate", None)):
@@ -126,13 +124,13 @@ class RouterHub:
                 site.router, "forward", lambda inner, i=i, s=site: self._scope_wrapper(i, inner, s.logits_index)
             )
 
-    def _tracked_modules(self) -> list[nn.Module]:
+    def _tracked_modules(self, modules: dict[str, nn.Module]) -> list[nn.Module]:
         """The model and every transformers model inside it that holds routers: their outermost forward is a step."""
         from transformers import PreTrainedModel
 
         names = [site.name for site in self.sites]
         found = [self.model]
-        for prefix, module in self._modules.items():
+        for prefix, module in modules.items():
             if prefix and isinstance(module, PreTrainedModel) and all(n.startswith(prefix + ".") for n in names):
                 found.append(module)
         return found
