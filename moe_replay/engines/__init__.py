@@ -14,7 +14,7 @@ from ..routes import Routes
 from . import hf, megatron
 
 
-def record_routes(model: nn.Module) -> hf.RouteRecorder | megatron.MegatronRouteRecorder:
+def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | megatron.MegatronRouteRecorder:
     """Record the experts every router of `model` selects while the context is open; `.routes` is a `Routes`
     [B, T, L, K]. A transformers model uses `moe_replay.engines.hf.record_routes` (works under `generate`), a
     megatron-core model `moe_replay.engines.megatron.record_routes`.
@@ -26,11 +26,11 @@ def record_routes(model: nn.Module) -> hf.RouteRecorder | megatron.MegatronRoute
     """
     if megatron.is_megatron_model(model):
         return megatron.record_routes(model)
-    return hf.record_routes(model)
+    return hf.record_routes(_one_module(model))
 
 
 def replay_routes(
-    model: nn.Module, routes: Routes | Sequence[Routes], *, track_live: bool = False
+    model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes], *, track_live: bool = False
 ) -> hf.RouteReplayer | megatron.MegatronRouteReplayer:
     """Force every router of `model` to select the experts in `routes` while the context is open (forward, and
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
@@ -46,4 +46,14 @@ def replay_routes(
         if track_live:
             raise ValueError("track_live is supported on Hugging Face models, not on megatron-core models")
         return megatron.replay_routes(model, routes)
-    return hf.replay_routes(model, routes, track_live=track_live)
+    return hf.replay_routes(_one_module(model), routes, track_live=track_live)
+
+
+def _one_module(model: object) -> nn.Module:
+    """`model`, or a ValueError if it is not a module (a list is only for megatron-core's virtual-pipeline chunks)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"expected a model (torch.nn.Module), got {type(model).__name__}; a list of modules is accepted only as "
+            "a megatron-core pipeline rank's virtual-pipeline chunks"
+        )
+    return model

@@ -32,7 +32,7 @@ def layers_of(model: nn.Module | Sequence[LayerInfo]) -> tuple[LayerInfo, ...]:
     from ..engines import megatron
 
     if megatron.is_megatron_model(model):
-        from ..engines.megatron.context import find_routers
+        from ..engines.megatron.routers import find_routers
 
         return tuple(site.info for site in find_routers(model))
     from ..analysis import teacher_forced_routes

@@ -10,10 +10,12 @@ Example:
     ...     gpt_model(tokens, position_ids, attention_mask, labels=labels).mean().backward()
 """
 
-from .context import INSTALL_HINT, find_routers, is_megatron_model
+from .context import is_megatron_model
 from .cp import cp_positions, routes_from_cp, routes_to_cp
+from .pipeline import gather_pipeline_routes
 from .record import MegatronRouteRecorder, record_routes
 from .replay import MegatronRouteReplayer, replay_routes
+from .routers import INSTALL_HINT, find_routers
 from .rows import routes_to_rows, rows_to_routes
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "MegatronRouteReplayer",
     "cp_positions",
     "find_routers",
+    "gather_pipeline_routes",
     "is_megatron_model",
     "record_routes",
     "replay_routes",

@@ -8,38 +8,30 @@ router call at a time. docs/megatron.md says what is refused and what replay doe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...errors import NestedContextError, ReplayError, UnsupportedModelError
-from ...routes import LayerInfo
+from ...errors import NestedContextError, ReplayError
+from .routers import Site, find_routers, megatron_api
 
-INSTALL_HINT = "pip install 'moe-replay[megatron]' (megatron-core >= 0.16)"
 _ACTIVE = "_moe_replay_megatron_context"
 
 
-def megatron_api() -> tuple[type, Any]:
-    """(TopKRouter, RouterReplayAction), or an ImportError that says how to install megatron-core."""
-    try:
-        from megatron.core.transformer.moe.router import TopKRouter
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-    except ImportError as e:
-        raise ImportError(
-            f"moe_replay.integrations.megatron needs megatron-core with RouterReplay: {INSTALL_HINT}"
-        ) from e
-    return TopKRouter, RouterReplayAction
-
-
-def is_megatron_model(model: nn.Module) -> bool:
-    """Whether `model` is (or wraps) a megatron-core module; never imports megatron.
+def is_megatron_model(model: nn.Module | Sequence[nn.Module]) -> bool:
+    """Whether `model` is (or wraps) a megatron-core module, or is a non-empty list of them (a pipeline rank's
+    virtual-pipeline chunks); never imports megatron.
 
     Example:
         >>> is_megatron_model(torch.nn.Linear(2, 2))
         False
     """
+    if isinstance(model, (list, tuple)):
+        return bool(model) and all(isinstance(m, nn.Module) and is_megatron_model(m) for m in model)
+    if not isinstance(model, nn.Module):
+        return False
     if type(model).__module__.startswith("megatron."):
         return True
     if _is_transformers_model(model):  # a transformers model holds no megatron module: skip the walk
@@ -55,92 +47,32 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
-@dataclass
-class Site:
-    """One router of the model and the replay bookkeeping of the open context."""
-
-    name: str
-    router: nn.Module
-    info: LayerInfo
-    saved: tuple = ()
-    pending: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # awaiting recompute
-    mask: torch.Tensor | None = None  # [S_local * B] bool for the current call (False: route live; None: all)
-    used: bool = False
-
-
-def find_routers(model: nn.Module) -> list[Site]:
-    """The model's `TopKRouter`s in module order, after checking that replay can act on every one of them.
-
-    Raises ValueError for a model without routers, routers built without `moe_enable_routing_replay`, and the
-    configurations in which megatron-core would skip replay silently (fused routing, sinkhorn, CUDA graphs) or
-    split the sequence in another layout (context parallelism).
-
-    Example:
-        >>> [site.name for site in find_routers(gpt_model)]  # doctest: +SKIP
-        ['decoder.layers.0.mlp.router', 'decoder.layers.1.mlp.router']
-    """
-    top_k_router, _ = megatron_api()
-    sites = []
-    for name, module in model.named_modules():
-        if not isinstance(module, top_k_router):
-            continue
-        config = module.config
-        if getattr(module, "router_replay", None) is None:
-            raise UnsupportedModelError(
-                f"router {name!r} has no RouterReplay: build the model with "
-                "TransformerConfig(..., moe_enable_routing_replay=True) to record or replay its routes"
-            )
-        refused = {
-            "moe_router_fusion=True (the fused top-k bypasses RouterReplay)": getattr(
-                config, "moe_router_fusion", False
-            ),
-            "moe_router_load_balancing_type='sinkhorn' (sinkhorn routing bypasses RouterReplay)": getattr(
-                module, "routing_type", None
-            )
-            == "sinkhorn",
-            "CUDA graphs (a captured router skips the replay hooks)": getattr(config, "cuda_graph_impl", "none")
-            not in ("none", None)
-            or getattr(config, "enable_cuda_graph", False),
-            "context parallelism (untested end to end: megatron-core's local attention asserts CP == 1 and Transformer "
-            "Engine needs CUDA; the layout mapping is ready in moe_replay.engines.megatron.routes_to_cp / "
-            "routes_from_cp)": getattr(config, "context_parallel_size", 1) > 1,
-            "pipeline parallelism (not supported yet: a stage holds only some layers, named locally)": getattr(
-                config, "pipeline_model_parallel_size", 1
-            )
-            > 1,
-            "moe_router_force_load_balancing=True (random logits for benchmarks)": getattr(
-                config, "moe_router_force_load_balancing", False
-            ),
-        }
-        for what, on in refused.items():
-            if on:
-                raise UnsupportedModelError(f"router {name!r}: routes cannot be recorded or replayed with {what}")
-        info = LayerInfo(name, int(config.num_moe_experts), int(module.topk))
-        sites.append(Site(name, module, info))
-    if not sites:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has no megatron-core MoE router (TopKRouter): nothing to record"
-        )
-    return sites
-
-
 class RouterReplayContext:
-    """Shared enter/exit: find the routers, hook them, and give every RouterReplay back its state on exit."""
+    """Shared enter/exit: find the routers, hook them, and give every RouterReplay back its state on exit.
 
-    def __init__(self, model: nn.Module) -> None:
+    `model` is one module, or a pipeline rank's virtual-pipeline chunks (a list, as megatron's schedules take them):
+    forwards are counted per chunk, and the n-th forward of every chunk belongs to the n-th micro-batch."""
+
+    def __init__(self, model: nn.Module | Sequence[nn.Module]) -> None:
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        bad = [type(m).__name__ for m in chunks if not isinstance(m, nn.Module)]
+        if bad or not chunks:
+            raise ValueError(
+                f"expected a megatron-core module or a non-empty list of them, got {bad or 'an empty list'}"
+            )
         self.model = model
+        self.chunks = chunks
         self.sites: list[Site] = []
         self._handles: list[Any] = []
-        self._grad_forward = False
-        self._in_forward = False
-        self._forwards = 0
+        n = len(chunks)
+        self._grad_forward, self._in_forward, self._forwards = [False] * n, [False] * n, [0] * n
         self._active = False
 
     def __enter__(self) -> RouterReplayContext:
         if self._active:
             raise RuntimeError("this context is already active")
         _, self._action = megatron_api()
-        sites = find_routers(self.model)
+        sites = find_routers(self.chunks)
         busy = [s.name for s in sites if _ACTIVE in s.router.router_replay.__dict__]
         if busy:
             raise NestedContextError(
@@ -148,7 +80,8 @@ class RouterReplayContext:
                 "action per router, so contexts on one Megatron model (or a wrapper and the model) cannot nest"
             )
         self._prepare(sites)
-        self._forwards, self._in_forward = 0, False
+        n = len(self.chunks)
+        self._grad_forward, self._in_forward, self._forwards = [False] * n, [False] * n, [0] * n
         self.sites = sites
         try:
             for site in sites:
@@ -164,8 +97,9 @@ class RouterReplayContext:
                 rr.get_replay_topk = self._topk_wrapper(site, type(rr).get_replay_topk.__get__(rr))
                 self._handles.append(site.router.register_forward_pre_hook(self._router_pre_hook(site)))
                 self._handles.append(site.router.register_forward_hook(self._router_post_hook(site)))
-            self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook))
-            self._handles.append(self.model.register_forward_hook(self._model_post_hook))
+            for chunk, module in enumerate(self.chunks):
+                self._handles.append(module.register_forward_pre_hook(self._model_pre_hook(chunk)))
+                self._handles.append(module.register_forward_hook(self._model_post_hook(chunk)))
         except BaseException:
             self._close()
             raise
@@ -194,21 +128,32 @@ class RouterReplayContext:
             rr.router_replay_action, rr.target_topk_idx, rr.recorded_topk_idx = action, target, recorded
             rr.replay_backward_list = queue
 
-    def _model_pre_hook(self, module: nn.Module, args: Any) -> None:
-        self._forwards += 1
-        self._grad_forward = torch.is_grad_enabled()
-        self._in_forward = True
-        self._forward_starts()
+    def _owner(self) -> str:
+        """The model's class name for messages (chunks joined by +)."""
+        return " + ".join(type(m).__name__ for m in self.chunks)
 
-    def _model_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._in_forward = False
-        self._forward_ends()
+    def _model_pre_hook(self, chunk: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._forwards[chunk] += 1
+            self._grad_forward[chunk] = torch.is_grad_enabled()
+            self._in_forward[chunk] = True
+            self._forward_starts(chunk)
+
+        return hook
+
+    def _model_post_hook(self, chunk: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._in_forward[chunk] = False
+            self._forward_ends(chunk)
+
+        return hook
 
     def _check_call(self, site: Site) -> None:
         """A router call outside the backward must come from a forward of the module the context was opened on."""
-        if not self._in_forward:
+        if not self._in_forward[site.chunk]:
+            owner = type(self.chunks[site.chunk]).__name__
             raise ReplayError(
-                f"router {site.name!r} ran outside a forward of the {type(self.model).__name__} the context was "
+                f"router {site.name!r} ran outside a forward of the {owner} the context was "
                 "opened on (e.g. on an inner module of a wrapper): open the context on the module you call"
             )
 
@@ -240,8 +185,8 @@ class RouterReplayContext:
     def _prepare(self, sites: list[Site]) -> None: ...
     def _router_pre_hook(self, site: Site) -> Any: ...
     def _after_router(self, site: Site, hidden: torch.Tensor) -> None: ...
-    def _forward_starts(self) -> None: ...
-    def _forward_ends(self) -> None: ...
+    def _forward_starts(self, chunk: int) -> None: ...
+    def _forward_ends(self, chunk: int) -> None: ...
     def _finish(self) -> None: ...
 
 

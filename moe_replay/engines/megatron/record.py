@@ -5,6 +5,7 @@ sequence; the slices are gathered so every rank holds the whole batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,8 +21,8 @@ class MegatronRouteRecorder(RouterReplayContext):
     """Context manager returned by `record_routes`; `.routes` holds what was recorded."""
 
     def _prepare(self, sites: list[Site]) -> None:
-        self._batches: list[Routes] = []
-        self._current: dict[str, torch.Tensor] = {}
+        self._done: list[list[dict[str, torch.Tensor]]] = [[] for _ in self.chunks]  # per chunk, per forward
+        self._current: list[dict[str, torch.Tensor]] = [{} for _ in self.chunks]
 
     def _router_pre_hook(self, site: Site) -> Any:
         record = self._action.RECORD
@@ -48,44 +49,55 @@ class MegatronRouteRecorder(RouterReplayContext):
             parts = [torch.empty_like(rows) for _ in range(size)]
             torch.distributed.all_gather(parts, rows.contiguous(), group=group)
             rows = torch.cat(parts, dim=0)
-        if site.name in self._current:
+        current = self._current[site.chunk]
+        if site.name in current:
             raise ReplayError(f"router {site.name!r} ran twice in one forward; record one forward at a time")
-        self._current[site.name] = rows.transpose(0, 1)  # [B, S, K]
+        current[site.name] = rows.transpose(0, 1)  # [B, S, K]
 
-    def _forward_starts(self) -> None:
-        self._current = {}  # a forward that raised may have left some layers behind
+    def _forward_starts(self, chunk: int) -> None:
+        self._current[chunk] = {}  # a forward that raised may have left some layers behind
 
-    def _forward_ends(self) -> None:
-        current, self._current = self._current, {}
+    def _forward_ends(self, chunk: int) -> None:
+        current, self._current[chunk] = self._current[chunk], {}
         if not current:
             return
-        missing = [s.name for s in self.sites if s.name not in current]
+        missing = [s.name for s in self.sites if s.chunk == chunk and s.name not in current]
         if missing:
             raise ReplayError(f"routers {missing} did not run in this forward; recorded only {list(current)}")
-        layers = [s.info for s in self.sites]
-        dtype = index_dtype(max(info.num_experts for info in layers))
-        indices = torch.stack([current[s.name] for s in self.sites], dim=2).to(dtype)
-        mask = torch.ones(indices.shape[:2], dtype=torch.bool, device=indices.device)
-        self._batches.append(Routes._trusted(indices, mask, tuple(layers)))
+        self._done[chunk].append(current)
 
     @property
     def batches(self) -> list[Routes]:
-        """One `Routes` per recorded forward."""
-        return list(self._batches)
+        """One `Routes` per recorded forward (per micro-batch: with virtual-pipeline chunks, the n-th forward of
+        every chunk together), holding the layers of the given module(s) in whole-model order."""
+        counts = [len(self._done[c]) for c in sorted({s.chunk for s in self.sites})]  # chunks that have routers
+        if len(set(counts)) > 1:
+            raise ReplayError(f"the chunks recorded different numbers of forwards {counts}: finish every micro-batch")
+        layers = tuple(s.info for s in self.sites)
+        dtype = index_dtype(max(info.num_experts for info in layers))
+        out = []
+        for n in range(counts[0] if counts else 0):
+            indices = torch.stack([self._done[s.chunk][n][s.name] for s in self.sites], dim=2).to(dtype)
+            mask = torch.ones(indices.shape[:2], dtype=torch.bool, device=indices.device)
+            out.append(Routes._trusted(indices, mask, layers))
+        return out
 
     @property
     def routes(self) -> Routes:
         """Everything recorded, as one `Routes` [B, T, L, K] (several forwards are concatenated along B)."""
-        if not self._batches:
+        batches = self.batches
+        if not batches:
             raise ValueError("nothing was recorded: run a forward inside `with record_routes(model)`")
-        return self._batches[0] if len(self._batches) == 1 else Routes.cat(self._batches)
+        return batches[0] if len(batches) == 1 else Routes.cat(batches)
 
 
-def record_routes(model: nn.Module) -> MegatronRouteRecorder:
+def record_routes(model: nn.Module | Sequence[nn.Module]) -> MegatronRouteRecorder:
     """Record the experts every router of a megatron-core model selects, for every token of each forward.
 
     Gives a `Routes` [B, T, L, K] per forward (`rec.batches`; `rec.routes` joins them), all positions recorded;
-    layers are named by module path. Recomputes under activation recompute are not recorded twice.
+    layers are named by module path. Recomputes under activation recompute are not recorded twice. Under pipeline
+    parallelism pass a stage's model (or its list of virtual-pipeline chunks): the routes hold that stage's layers,
+    named by their global layer number, one `Routes` per micro-batch; `gather_pipeline_routes` joins the stages.
 
     Example:
         >>> with record_routes(gpt_model) as rec:  # doctest: +SKIP

@@ -18,13 +18,15 @@ from ...layers import match_layers
 from ...routes import Routes
 from ..autograd import in_backward
 from .context import RouterReplayContext, Site, tp_split
+from .pipeline import stage_columns
+from .routers import pipelined
 from .rows import routes_to_rows
 
 
 class MegatronRouteReplayer(RouterReplayContext):
     """Context manager returned by `replay_routes`."""
 
-    def __init__(self, model: nn.Module, routes: Routes | Sequence[Routes]) -> None:
+    def __init__(self, model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes]) -> None:
         self.per_forward = not isinstance(routes, Routes)
         routes_list = list(routes) if self.per_forward else [routes]
         bad = [type(r).__name__ for r in routes_list if not isinstance(r, Routes)]
@@ -41,7 +43,10 @@ class MegatronRouteReplayer(RouterReplayContext):
         self._complete: list[bool] = []  # per Routes: every position recorded
         for r in self.routes if self.per_forward else [self.routes]:
             shapes = {s.name: (s.info.num_experts, s.info.top_k) for s in sites}
-            columns = match_layers([s.name for s in sites], r.layers, type(self.model).__name__, shapes)
+            if pipelined(sites[0].router.config):  # a stage: the whole model's routes, or its own part
+                columns = stage_columns(sites, r.layers, self._owner(), shapes)
+            else:
+                columns = match_layers([s.name for s in sites], r.layers, self._owner(), shapes)
             T, B = r.seq_len, r.batch_size
             rows = routes_to_rows(r)  # unrecorded positions get valid ids (they route live anyway)
             self._rows.append({s.name: rows[columns[s.name]].reshape(T, B, -1) for s in sites})
@@ -53,7 +58,7 @@ class MegatronRouteReplayer(RouterReplayContext):
         """This call's rows [S_local * B, K] and mask [S_local * B] (None: all recorded), checked against the
         call's shape."""
         self._check_call(site)
-        n = self._forwards - 1 if self.per_forward else 0
+        n = self._forwards[site.chunk] - 1 if self.per_forward else 0
         if n >= len(self._rows):
             raise ReplayError(f"routes were given for {len(self._rows)} forwards but forward {n + 1} ran")
         S, B = hidden.shape[:2]
@@ -96,7 +101,7 @@ class MegatronRouteReplayer(RouterReplayContext):
             rr.set_target_indices(rows)  # also queues the rows for REPLAY_BACKWARD
             # Activation recompute runs the first forward of a checkpointed block without grad inside a forward
             # that has it: exactly the calls the backward will re-run.
-            if self._grad_forward and not torch.is_grad_enabled():
+            if self._grad_forward[site.chunk] and not torch.is_grad_enabled():
                 site.pending.append((rows, site.mask))
             else:  # this call is never recomputed: keep Megatron's backward queue in step with ours
                 rr.replay_backward_list.pop()
@@ -117,12 +122,14 @@ class MegatronRouteReplayer(RouterReplayContext):
             raise ReplayError("the routes were never replayed: no router ran inside `with replay_routes(...)`")
 
 
-def replay_routes(model: nn.Module, routes: Routes | Sequence[Routes]) -> MegatronRouteReplayer:
+def replay_routes(model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes]) -> MegatronRouteReplayer:
     """Force every router of a megatron-core model to select the experts in `routes` (unrecorded positions route
     live), in the forward and in the recompute of the backward; the router still gets gradients.
 
     One `Routes` is used by every forward in the context; a list gives the n-th forward the n-th `Routes`
-    (micro-batches run forward one after another, then backward in the same order, as Megatron's schedules do).
+    (micro-batches run forward in order, and backward in the same order, as Megatron's schedules do, 1F1B
+    included). Under pipeline parallelism pass a stage's model (or its list of virtual-pipeline chunks, whose n-th
+    forwards all take the n-th `Routes`) and either the whole model's routes or the stage's own part.
 
     Layers match by module path (or a dotted suffix of it); routes from another engine whose names match none of
     the model's map by layer order when the number of layers, experts and top-k agree. A batch or sequence length

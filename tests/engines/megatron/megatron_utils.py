@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -47,11 +48,26 @@ class CpuRngTracker:
             yield
 
 
+class CpuTorch:
+    """megatron's schedules module's view of torch: `zeros(..., device="cuda")` (a token counter) lands on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
 @contextlib.contextmanager
-def megatron_cpu(tp: int = 1, ep: int = 1, rank: int = 0, world: int = 1, port: int = 29531) -> Iterator[None]:
-    """Apply the CPU shims, start a gloo process group and megatron's parallel state; undo all of it on exit."""
+def megatron_cpu(
+    tp: int = 1, ep: int = 1, rank: int = 0, world: int = 1, port: int = 29531, pp: int = 1, vpp: int | None = None
+) -> Iterator[None]:
+    """Apply the CPU shims, start a gloo process group and megatron's parallel state; undo all of it on exit.
+    Pipeline models also need `batch_p2p_comm=False` in their config (the batched p2p path syncs CUDA)."""
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", message=".*Apex.*")
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as tpr
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core import parallel_state
@@ -64,15 +80,22 @@ def megatron_cpu(tp: int = 1, ep: int = 1, rank: int = 0, world: int = 1, port: 
     torch.cuda.current_device = lambda: torch.device("cpu")
     tpr._CUDA_RNG_STATE_TRACKER, tpr._CUDA_RNG_STATE_TRACKER_INITIALIZED = CpuRngTracker(), True
     moe_utils.te_general_gemm = None  # 0.16.x reads this name even when Transformer Engine is absent
+    schedules.torch = CpuTorch()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+        )
         yield
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+        schedules.torch = torch
         torch.cuda.current_device, tpr._CUDA_RNG_STATE_TRACKER, tpr._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
         tpr._get_cuda_rng_state, tpr._set_cuda_rng_state = saved_rng
         if had_gemm:
@@ -89,9 +112,10 @@ class TokenLayerNorm(torch.nn.LayerNorm):
         super().__init__(hidden_size, eps=eps)
 
 
-def tiny_gpt(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+def tiny_gpt(seed: int = 0, model_kwargs: dict[str, Any] | None = None, **overrides: Any) -> torch.nn.Module:
     """A 2-layer GPTModel, hidden 64, 4 experts, top-2, routing replay on, weights set from `seed` by parameter
-    name so that models split over ranks hold the same weights as one unsplit model."""
+    name so that models split over ranks hold the same weights as one unsplit model. `overrides` go to the
+    TransformerConfig, `model_kwargs` to GPTModel (a pipeline stage's `pre_process`, `post_process`, `vp_stage`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -115,12 +139,19 @@ def tiny_gpt(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     fields.update(overrides)
     config = TransformerConfig(**fields)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
-    if config.sequence_parallel:  # megatron's torch-norm wrapper refuses sequence parallelism (it wants TE or apex)
+    if "moe_layer_freq" in overrides or config.pipeline_model_parallel_size > 1:  # this stage's layers, per pattern
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        vp_stage = (model_kwargs or {}).get("vp_stage")
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
+    elif config.sequence_parallel:  # megatron's torch-norm wrapper refuses sequence parallelism (it wants TE or apex)
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TokenLayerNorm
-        spec = TransformerBlockSubmodules(layer_specs=[spec] * LAYERS, layer_norm=TokenLayerNorm)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64)
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=TokenLayerNorm)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64, **(model_kwargs or {})
+    )
     set_weights(model, seed)
     return model
 
@@ -132,6 +163,7 @@ def set_weights(model: torch.nn.Module, seed: int) -> None:
     ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     with torch.no_grad():
         for name, p in model.named_parameters():
+            name = global_name(model, name)
             full_name, is_expert = name, ".local_experts." in name
             if is_expert:  # local expert i on EP rank r is global expert r * (E / ep) + i
                 head, _, tail = name.partition(".local_experts.")
@@ -157,12 +189,25 @@ def set_weights(model: torch.nn.Module, seed: int) -> None:
             p.copy_(full)
 
 
+def global_name(model: torch.nn.Module, name: str) -> str:
+    """A parameter or module path of `model` with a pipeline stage's local layer index made global."""
+    for prefix, module in model.named_modules():
+        if (
+            re.fullmatch(r"(.*\.)?layers\.\d+", prefix)
+            and name.startswith(prefix + ".")
+            and hasattr(module, "layer_number")
+        ):
+            return f"{prefix.rpartition('.')[0]}.{module.layer_number - 1}{name[len(prefix) :]}"
+    return name
+
+
 def perturb_routers(model: torch.nn.Module, seed: int = 1, scale: float = 1.0) -> None:
-    """Add noise (scale x the weights' sd, drawn from `seed` in router order) to every router's weights."""
-    gen = torch.Generator().manual_seed(seed)
+    """Add noise (scale x the weights' sd, drawn from `seed` and the router's global name) to every router's weights,
+    so that pipeline stages perturb their routers as the unsplit model does."""
     with torch.no_grad():
         for name, module in model.named_modules():
             if name.endswith("mlp.router"):
+                gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name(model, name).encode()))
                 module.weight.add_(scale * module.weight.std() * torch.randn(module.weight.shape, generator=gen))
 
 

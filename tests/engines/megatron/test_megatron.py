@@ -347,11 +347,15 @@ def test_refusals_name_the_fix():
         r.config.moe_router_fusion = True  # TE is absent here, so build unfused and flip the flag
     with pytest.raises(ValueError, match="moe_router_fusion"):
         replay_routes(fused, Routes.__new__(Routes)).__enter__()
-    for flag, words in [("pipeline_model_parallel_size", "pipeline parallelism"), ("context_parallel_size", "context")]:
-        model = tiny_gpt()
-        setattr(routers(model)[0].config, flag, 2)
-        with pytest.raises(ValueError, match=words):
-            record_routes(model).__enter__()
+    model = tiny_gpt()
+    routers(model)[0].config.context_parallel_size = 2
+    with pytest.raises(ValueError, match="context parallelism .* layout mapping is ready"):
+        record_routes(model).__enter__()
+    model = tiny_gpt()  # under pipeline parallelism a router outside the decoder's MoE layers (e.g. MTP) has no column
+    routers(model)[0].config.pipeline_model_parallel_size = 2
+    routers(model)[1].layer_number = LAYERS + 1
+    with pytest.raises(ValueError, match="layer_number=3.* cannot be placed among the whole model's 2 MoE layers"):
+        record_routes(model).__enter__()
     forced = tiny_gpt()
     routers(forced)[0].config.moe_router_force_load_balancing = True
     with pytest.raises(ValueError, match="moe_router_force_load_balancing"):
