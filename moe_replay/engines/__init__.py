@@ -17,7 +17,8 @@ from . import hf, megatron
 def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | megatron.MegatronRouteRecorder:
     """Record the experts every router of `model` selects while the context is open; `.routes` is a `Routes`
     [B, T, L, K]. A transformers model uses `moe_replay.engines.hf.record_routes` (works under `generate`), a
-    megatron-core model `moe_replay.engines.megatron.record_routes`.
+    megatron-core model (or a pipeline rank's list of virtual-pipeline chunks)
+    `moe_replay.engines.megatron.record_routes`.
 
     Example:
         >>> with record_routes(model) as rec:  # doctest: +SKIP
@@ -34,7 +35,8 @@ def replay_routes(
 ) -> hf.RouteReplayer | megatron.MegatronRouteReplayer:
     """Force every router of `model` to select the experts in `routes` while the context is open (forward, and
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
-    `record_routes`; a list of `Routes` (one per micro-batch forward) is for megatron-core models. `track_live`
+    `record_routes`; a list of `Routes` (one per micro-batch forward), and a list of modules (a pipeline rank's
+    virtual-pipeline chunks), are for megatron-core models. `track_live`
     (Hugging Face models) also counts how many replayed experts live routing would have changed.
 
     Example:

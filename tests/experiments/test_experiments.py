@@ -88,3 +88,19 @@ def test_mismatch_quick_preset(tmp_path):
     assert len(summary) == 10 and summary.set_index("arm").loc["GRPO, π_old sampler", "gap_to_grpo_mean"] == 0
     image = mpimg.imread(tmp_path / "out" / "mismatch.png")
     assert image.shape[0] > 300 and image.shape[1] > 800
+
+
+def test_stress_quick_preset(tmp_path):
+    run_quick("stress.py", tmp_path)
+    steps = pd.read_csv(tmp_path / "out" / "stress_steps.csv")
+    assert set(steps.setting) == {"stress", "stress − lr 1e-3"}
+    assert set(steps[steps.setting == "stress"].arm) == {"GRPO", "GRPO + R3", "GRPO + R2"}
+    assert set(steps[steps.setting != "stress"].arm) == {"GRPO", "GRPO + R3"}  # R2 only where everything is on
+    summary = pd.read_csv(tmp_path / "out" / "stress_summary.csv").set_index(["setting", "arm"])
+    assert len(summary) == 5 and summary.loc[("stress", "GRPO"), "gap_to_grpo_mean"] == 0
+    # the full stress has the bf16 sampler, so a sampler/trainer routing mismatch in every step
+    assert steps[steps.setting == "stress"]["mismatch/fraction"].gt(0).all()
+    # replayed arms log the live counterfactual clip fraction; GRPO has no replayed routes to compare with
+    assert summary.loc[("stress", "GRPO + R3"), "clipped_live_counterfactual"] >= 0
+    image = mpimg.imread(tmp_path / "out" / "stress.png")
+    assert image.shape[0] > 300 and image.shape[1] > 500

@@ -20,7 +20,8 @@ class Plan:
     """The routes one router call must use: `indices` [N, K] int64, `mask` [N] bool (False routes live).
 
     `on_live`, when set, is called once per forward call (not its recompute) with the experts the router would have
-    picked live and those it was given, both [N, K] (`replay_routes(..., track_live=True)`).
+    picked live and those it was given, both [N, K] (`replay_routes(..., track_live=True)`). `groups_used(G)` is
+    the most of G expert groups any recorded token of this layer uses (checked by group-limited routers).
     """
 
     indices: torch.Tensor
@@ -29,6 +30,7 @@ class Plan:
     top_k: int
     all_recorded: bool
     on_live: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    groups_used: Callable[[int], int] | None = None
 
 
 @dataclass

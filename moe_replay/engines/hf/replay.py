@@ -28,8 +28,11 @@ class RouteReplayer:
         self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device)
         self._hub: RouterHub | None = None
         self._mask_cpu = routes.mask.cpu()
+        # positions before t holding an unrecorded token (in any sequence): a span is all recorded when its count is
+        # the same at both ends (read once here, so that no forward reads the mask on the host)
+        self._gaps = [0, *torch.cumsum((~self._mask_cpu).any(0), 0).tolist()]
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
-        self._all_recorded: dict[tuple[int, int], bool] = {}  # per span: every position recorded (no live mix)
+        self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
         self._columns: dict[str, int] = {}
 
     def __enter__(self) -> RouteReplayer:
@@ -78,11 +81,21 @@ class RouteReplayer:
         indices = r.indices[:, step.start : end, layer].reshape(step.tokens, info.top_k).long()
         mask = r.mask[:, step.start : end].reshape(step.tokens)
         self._covered.add((step.start, end, layer))
-        all_recorded = self._all_recorded.get((step.start, end))
-        if all_recorded is None:  # once per span, not per router call (a host-side check of the CPU mask copy)
-            all_recorded = self._all_recorded[step.start, end] = bool(self._mask_cpu[:, step.start : end].all())
+        all_recorded = self._gaps[end] == self._gaps[step.start]
         on_live = (lambda live, used: self._tally(layer, mask, live, used)) if self.track_live else None
-        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live)
+        groups = lambda G: self._groups_used(layer, G)  # noqa: E731
+        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live, groups)
+
+    def _groups_used(self, layer: int, G: int) -> int:
+        """The most of G expert groups that any recorded token of `layer` uses (one host read per layer and G, over
+        all the routes, rather than one per router call)."""
+        found = self._groups.get((layer, G))
+        if found is None:
+            r = self.routes
+            groups = r.indices[:, :, layer].long() // (r.layers[layer].num_experts // G)  # [B, T, K]
+            used = torch.zeros(*groups.shape[:2], G, dtype=torch.bool, device=groups.device).scatter_(-1, groups, True)
+            found = self._groups[layer, G] = int((used & r.mask[..., None]).sum(-1).max())
+        return found
 
     def _tally(self, layer: int, mask: torch.Tensor, live: torch.Tensor, used: torch.Tensor) -> None:
         """Count the replayed expert slots [N, K] the router would have picked otherwise (no host sync)."""

@@ -157,14 +157,14 @@ class GroupTopK(Selector):
         assert plan is not None
         G = x.shape[-1]
         flat = x.reshape(-1, G)
+        if plan.groups_used is not None and plan.groups_used(G) > k:  # checked once per layer, not per call
+            raise ReplayError(
+                f"router {self.call.layer!r} keeps topk_group={k} of {G} expert groups, but the routes use "
+                f"{plan.groups_used(G)} groups for one token"
+            )
         groups = plan.indices.to(x.device) // (plan.num_experts // G)
         need = torch.zeros(flat.shape, dtype=torch.bool, device=x.device).scatter_(-1, groups, True)
         need &= plan.mask.to(x.device)[:, None]
-        if int(need.sum(-1).max()) > k:
-            raise ReplayError(
-                f"router {self.call.layer!r} keeps topk_group={k} of {G} expert groups, but the routes use "
-                f"{int(need.sum(-1).max())} groups for one token"
-            )
         idx = torch.topk(flat.masked_fill(need, float("inf")), k, dim=-1).indices
         idx = idx.reshape(*x.shape[:-1], k)
         self.steered += 1

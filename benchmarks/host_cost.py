@@ -1,0 +1,111 @@
+"""What recording and replay cost per router call at small batches, where a router call's fixed host cost is not
+hidden behind compute (a decode step, a chunked log-prob forward). Prints a table with the host microseconds moe-replay
+adds per router call, writes it as CSV, ends with `targets met: N/M`.
+
+    python benchmarks/host_cost.py           # benchmarks/results_host_cost.csv (about 10 minutes on 2 CPU cores)
+    python benchmarks/host_cost.py --quick   # fewer repeats (a few minutes); writes results_host_cost_quick.csv
+
+Each ratio is measured side by side in one process (alternating, median over repeats) against the same work without
+moe-replay; an A/A row runs the plain work against itself. Extra host time per router call = (ours - plain) / the
+number of router calls in the work (L per forward; L per decode step under generate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from run import REALISTIC, TINY, build, generate_fn, paired
+
+from moe_replay import record_routes, replay_routes
+
+TARGETS = {  # issue 18: (work, model) -> largest ratio
+    ("replay forward", "tiny"): 1.08,
+    ("replay forward", "realistic"): 1.02,
+    ("record generate", "tiny"): 1.02,
+    ("record generate", "realistic"): 1.02,
+}
+
+
+def replay_forward(model: torch.nn.Module, batch: int, length: int) -> tuple[Callable[[], object], ...]:
+    """(replayed forward, plain forward) of one [batch, length] batch, no grad; the replay context is opened and
+    closed inside each run, as a log-prob pass does."""
+    ids = torch.randint(1, 1024, (batch, length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids)
+    routes = rec.routes
+
+    def ours() -> None:
+        with torch.no_grad(), replay_routes(model, routes):
+            model(ids)
+
+    def plain() -> None:
+        with torch.no_grad():
+            model(ids)
+
+    return ours, plain
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes)")
+    ap.add_argument("--csv", type=Path, default=None, help="default: benchmarks/results_host_cost[_quick].csv")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    reps_fwd, reps_gen = (31, 5) if args.quick else (101, 9)
+    rows, met = [], []
+    for label, spec in (("tiny", TINY), ("realistic", REALISTIC)):
+        model = build(spec, "cpu")
+        layers = model.config.num_hidden_layers
+        ours, plain = replay_forward(model, batch=1, length=32)
+        for work, a, b, calls, reps in (
+            ("replay forward", ours, plain, layers, reps_fwd),
+            ("A/A forward", plain, plain, layers, reps_fwd),
+            (
+                "record generate",
+                generate_fn(model, 1, 32, "cpu", True),
+                generate_fn(model, 1, 32, "cpu", False),
+                layers * 32,
+                reps_gen,
+            ),
+            (
+                "A/A generate",
+                generate_fn(model, 1, 32, "cpu", False),
+                generate_fn(model, 1, 32, "cpu", False),
+                layers * 32,
+                reps_gen,
+            ),
+        ):
+            t_ours, t_base = paired(a, b, reps, "cpu")
+            target = TARGETS.get((work, label))
+            ratio = t_ours / t_base
+            ok = None if target is None else ratio <= target
+            if ok is not None:
+                met.append(ok)
+            row = {
+                "work": f"{work}, {label}, B=1" + (", T=32" if "forward" in work else ", 32 new tokens"),
+                "ours_ms": round(t_ours * 1e3, 3),
+                "plain_ms": round(t_base * 1e3, 3),
+                "ratio": round(ratio, 3),
+                "extra_us_per_router_call": round((t_ours - t_base) / calls * 1e6, 1),
+                "target": "" if target is None else f"<= {target}",
+                "met": "" if ok is None else ("yes" if ok else "NO"),
+            }
+            rows.append(row)
+            print(" | ".join(str(v) for v in row.values()), flush=True)
+    out = args.csv or Path(__file__).with_name("results_host_cost_quick.csv" if args.quick else "results_host_cost.csv")
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"targets met: {sum(met)}/{len(met)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

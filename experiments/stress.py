@@ -1,0 +1,140 @@
+"""Why does replay fall behind under stress? Leave one stressor out at a time, and R2 against R3 in the full stress.
+
+The sweep (sweep.py) found GRPO + R3 behind GRPO where routing drifts most: with all four stressors at once (lr 1e-3,
+μ 16 minibatches, a bf16 sampler, routers × 0.25), −0.085 ± 0.020 final reward. That result is confounded: lr 1e-3
+alone gives the run without replay the same reward, and both arms had gradient-norm spikes. This script removes one
+stressor at a time (four settings) next to the full stress, for GRPO and GRPO + R3, and adds R2 (the old-log-prob
+pass's routes) in the full stress, logging what could explain the gap: how far the last minibatch's live routing
+has moved from the replayed routes, the clip fraction a live-routed forward would have had (the counterfactual),
+the KL between consecutive sampling policies, and gradient-norm spikes.
+
+Hypothesis (Qwen's 2512.01374 §3.2, "router staleness"): once more than 10% of routes have moved, replay trains the
+policy under replayed routing, which has left the trust region; then the replayed arms fall behind in the settings
+where the moved share is large (not where it is small), and their counterfactual live clip fraction is far above
+the replayed one.
+
+    python experiments/stress.py --preset quick   # 2 settings, 1 seed, a few steps: a smoke test
+    python experiments/stress.py --preset full    # 5 settings x 2-3 arms x 3 seeds x 80 steps (resumable; ~1.5 hours)
+
+Writes <out>/stress_steps.csv (every step of every run), stress_summary.csv and stress.png.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from common import WARM_STARTS, parse_args, publish, warm_started, write_table
+from matplotlib.figure import Figure
+
+from moe_replay.analysis import plots
+from moe_replay.rl import TrainConfig, train
+
+STRESS = {"lr": 1e-3, "minibatches": 16, "rollout_dtype": "bfloat16", "router_scale": 0.25}
+LEFT_OUT = {"lr": 1e-4, "minibatches": 4, "rollout_dtype": "float32", "router_scale": 1.0}  # the base values
+SETTINGS = {"stress": STRESS} | {
+    f"stress − {name}": STRESS | {key: LEFT_OUT[key]}
+    for name, key in (("lr 1e-3", "lr"), ("μ 16", "minibatches"), ("bf16", "rollout_dtype"), ("flat", "router_scale"))
+}
+ARMS = {"GRPO": "off", "GRPO + R3": "rollout", "GRPO + R2": "old_logprob"}
+R2_SETTINGS = ("stress",)  # R2 differs from R3 only through the sampler: compared where everything is on
+SPIKE = 50.0  # a gradient norm above this (clipped to 1 before the step) counts as a spike
+PRESETS = {
+    "quick": {"settings": ["stress", "stress − lr 1e-3"], "seeds": [0], "steps": 3, "warm_start_steps": 10},
+    "full": {"settings": list(SETTINGS), "seeds": [0, 1, 2], "steps": 80, "warm_start_steps": 300},
+}
+
+
+def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
+    """Train every arm of every setting, seed by seed (runs resume if interrupted); write and return the logs."""
+    p = PRESETS[preset]
+    frames = []
+    for seed in p["seeds"]:
+        init = warm_started(runs / WARM_STARTS.name, steps=p["warm_start_steps"], seed=seed)
+        for name in p["settings"]:
+            for arm, replay in ARMS.items():
+                if replay == "old_logprob" and name not in R2_SETTINGS:
+                    continue
+                tag = f"{name.replace(' − ', '-minus-').replace(' ', '')}_{replay}_seed{seed}"
+                cfg = TrainConfig(
+                    output=str(runs / tag), init=str(init), seed=seed, steps=p["steps"], replay=replay, **SETTINGS[name]
+                )
+                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
+                frames.append(log.assign(setting=name, arm=arm, seed=seed))
+    frame = pd.concat(frames, ignore_index=True)
+    write_table(frame, out / "stress_steps.csv")
+    return frame
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per setting and arm: final reward (mean of the last 20% of steps) mean ± sd over seeds, the paired gap to
+    GRPO of the same setting and seed, the routes moved by the last minibatch, the counterfactual live clip fraction
+    against the replayed one, the KL between consecutive sampling policies, and gradient-norm spikes."""
+    rows = []
+    for (name, arm), runs in frame.groupby(["setting", "arm"], sort=False):
+        tail = runs[runs.step > runs.step.max() * 0.8]
+        final = tail.groupby("seed").reward_mean.mean()
+        base = frame[(frame.setting == name) & (frame.arm == "GRPO")]
+        base_final = base[base.step > base.step.max() * 0.8].groupby("seed").reward_mean.mean()
+        gap = (final - base_final).dropna()
+        rows.append(
+            {
+                "setting": name,
+                "arm": arm,
+                "seeds": len(final),
+                "final_reward_mean": final.mean(),
+                "final_reward_sd": final.std(),
+                "gap_to_grpo_mean": gap.mean(),
+                "gap_to_grpo_sd": gap.std(),
+                "seeds_ahead_of_grpo": int((gap > 0).sum()),
+                "moved_since_rollout_last_minibatch": _mean(runs, "routes_moved_since_rollout/last_minibatch"),
+                "clipped": runs["clip_ratio/region_mean"].mean(),
+                "clipped_live_counterfactual": _mean(runs, "clip_ratio/live_counterfactual"),
+                "kl_consecutive": _mean(runs, "policy/kl_consecutive"),
+                "grad_norm_spikes": int((runs.grad_norm > SPIKE).sum()),
+                "seeds_with_spikes": int(runs[runs.grad_norm > SPIKE].seed.nunique()),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _mean(runs: pd.DataFrame, column: str) -> float:
+    return runs[column].mean() if column in runs else float("nan")
+
+
+def figure(frame: pd.DataFrame) -> Figure:
+    """Reward (5-step running mean, mean ± sd over seeds) per setting, each arm; below, the routes moved by the last
+    minibatch."""
+    keys = ["setting", "arm", "seed"]
+    frame = frame.assign(smooth=frame.groupby(keys).reward_mean.transform(lambda r: r.rolling(5, min_periods=1).mean()))
+    names = list(dict.fromkeys(frame.setting))
+    fig = Figure(figsize=(3.3 * len(names), 6), layout="constrained")
+    axes = fig.subplots(2, len(names), squeeze=False, sharey="row")
+    for col, name in enumerate(names):
+        part = frame[frame.setting == name]
+        plots.over_training(part, y="smooth", group="arm", ylabel="reward (5-step mean)", ax=axes[0, col], title=name)
+        plots.over_training(
+            part.dropna(subset=["routes_moved_since_rollout/last_minibatch"]),
+            y="routes_moved_since_rollout/last_minibatch",
+            group="arm",
+            percent=True,
+            ylabel="live vs replayed routes, last minibatch",
+            ax=axes[1, col],
+            title="routes moved",
+        )
+        if col:
+            for ax in axes[:, col]:
+                if ax.get_legend():
+                    ax.get_legend().remove()
+    fig.suptitle(f"Leave one stressor out: GRPO, R3 and R2 ({frame.seed.nunique()} seeds, mean ± sd)")
+    return fig
+
+
+def main() -> None:
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/stress_{preset}"))
+    frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
+    publish(summarize(frame), figure(frame), args.out, "stress", dpi=100)
+
+
+if __name__ == "__main__":
+    main()
