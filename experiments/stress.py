@@ -40,7 +40,13 @@ ARMS = {"GRPO": "off", "GRPO + R3": "rollout", "GRPO + R2": "old_logprob"}
 R2_SETTINGS = ("stress",)  # R2 differs from R3 only through the sampler: compared where everything is on
 SPIKE = 50.0  # a gradient norm above this (clipped to 1 before the step) counts as a spike
 PRESETS = {
-    "quick": {"settings": ["stress", "stress − lr 1e-3"], "seeds": [0], "steps": 3, "warm_start_steps": 10},
+    "quick": {
+        "settings": ["stress", "stress − lr 1e-3"],
+        "seeds": [0],
+        "steps": 2,
+        "warm_start_steps": 10,
+        "batch": {"prompts": 4, "group_size": 4},  # 16 answers: one per minibatch at μ 16
+    },
     "full": {"settings": list(SETTINGS), "seeds": [0, 1, 2], "steps": 80, "warm_start_steps": 300},
 }
 
@@ -57,7 +63,13 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
                     continue
                 tag = f"{name.replace(' − ', '-minus-').replace(' ', '')}_{replay}_seed{seed}"
                 cfg = TrainConfig(
-                    output=str(runs / tag), init=str(init), seed=seed, steps=p["steps"], replay=replay, **SETTINGS[name]
+                    output=str(runs / tag),
+                    init=str(init),
+                    seed=seed,
+                    steps=p["steps"],
+                    replay=replay,
+                    **p.get("batch", {}),
+                    **SETTINGS[name],
                 )
                 log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
                 frames.append(log.assign(setting=name, arm=arm, seed=seed))

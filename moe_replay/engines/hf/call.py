@@ -11,7 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 from ...errors import ReplayError
 from .discover import RouterSite
-from .selectors import Selector
+from .redirect import caller_code
+from .selectors import TOPK_FUNCS, Selector
 from .steps import Step
 
 
@@ -50,6 +51,7 @@ class RouterCall:
     router_out: Any = None
     outside_router: bool = False  # an intercepted call ran in the MoE block, outside the router
     intercepting: bool = False
+    topk_sites: list[tuple[Any, Any]] = field(default_factory=list)  # (top-k function, caller code) seen by the mode
 
     @property
     def active(self) -> bool:
@@ -88,17 +90,24 @@ class RouterCall:
         return "; ".join(d for d in (s.describe() for s in self.selectors) if d)
 
 
+def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict, in_router: Callable[[], bool]) -> Any:
+    """Run torch function `func` of router call `call`: by the first selector that claims it, else as is."""
+    for selector in call.selectors:
+        if func in selector.funcs and selector.claims(func, args, kwargs):
+            call.outside_router |= not in_router()
+            return selector.run(func, args, kwargs)
+    return func(*args, **kwargs)
+
+
 class InterceptMode(TorchFunctionMode):
-    """Hands each torch function a selector of `call` intercepts to the first selector that claims it."""
+    """Hands each torch function a selector of `call` intercepts to the first selector that claims it, and notes
+    where each top-k was called from (redirect.py)."""
 
     def __init__(self, call: RouterCall, in_router: Callable[[], bool]) -> None:
         super().__init__()
         self.call, self.in_router = call, in_router
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        kwargs = kwargs or {}
-        for selector in self.call.selectors:
-            if func in selector.funcs and selector.claims(func, args, kwargs):
-                self.call.outside_router |= not self.in_router()
-                return selector.run(func, args, kwargs)
-        return func(*args, **kwargs)
+        if func in TOPK_FUNCS:
+            self.call.topk_sites.append((func, caller_code()))
+        return dispatch(self.call, func, args, kwargs or {}, self.in_router)

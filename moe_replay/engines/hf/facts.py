@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 ATTR = "_moe_replay_router_facts"
+SIGNATURES = "_moe_replay_forward_signatures"
 
 
 @dataclass
@@ -21,10 +22,13 @@ class RouterFacts:
       interception can skip the block, whose experts run many ops. None until seen.
     - `output_index`: per training mode, the position j in the router's output that *is* the selecting top-k's
       indices tensor (None: no output is), so a recording without replay can read it and skip interception.
+    - `redirect`: per training mode, whether its only top-k is a `torch.topk` in its class's own `forward`, so
+      interception can redirect that one call instead of running the router under a mode (redirect.py).
     """
 
     topk_in_router: bool | None = None
     output_index: dict[bool, int | None] = field(default_factory=dict)
+    redirect: dict[bool, bool] = field(default_factory=dict)
 
 
 def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
@@ -49,3 +53,11 @@ def facts_for(model: nn.Module, router: nn.Module) -> RouterFacts:
     if found is None:
         found = facts[type(router)] = RouterFacts()
     return found
+
+
+def signature_cache(model: nn.Module) -> dict:
+    """The model's cache of its forwards' parsed signatures (steps.py), kept across hubs like the facts."""
+    cache = model.__dict__.get(SIGNATURES)
+    if cache is None:
+        cache = model.__dict__[SIGNATURES] = {}
+    return cache

@@ -21,9 +21,10 @@ from torch import nn
 from ...errors import NestedContextError, ReplayError
 from ..autograd import in_backward
 from .call import InterceptMode, Plan, RouterCall
-from .discover import RouterSite, find_routers
-from .facts import facts_for
+from .discover import RouterSite
+from .facts import facts_for, signature_cache
 from .generation import PACKED_GENERATION, check_generation, eos_token_ids, refuse_packed, setting
+from .layout import model_layout
 from .patch import MARKER, Patches, patched_by
 from .recompute import (
     Pending,
@@ -31,7 +32,8 @@ from .recompute import (
     fingerprint,
     will_be_recomputed,
 )
-from .selectors import selectors_for
+from .redirect import Redirects, redirectable
+from .selectors import TopK, selectors_for
 from .steps import Step, StepTracker
 
 
@@ -52,9 +54,9 @@ class RouterHub:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        modules = dict(model.named_modules())  # one walk of the model per hub, shared by discovery and install
-        self.sites: list[RouterSite] = find_routers(model, modules)
-        self.tracker = StepTracker()
+        layout = model_layout(model)  # kept on the model between contexts while its module tree holds
+        self.sites: list[RouterSite] = list(layout.sites)
+        self.tracker = StepTracker(signature_cache(model))
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
@@ -68,7 +70,8 @@ class RouterHub:
         self._patches = Patches(owner=self)
         self._generating = 0
         self._synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
-        self._tracked: list[nn.Module] = self._tracked_modules(modules)
+        self._tracked: list[nn.Module] = list(layout.tracked)
+        self._redirects = Redirects()  # routers whose own torch.topk alone is intercepted
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     @classmethod
@@ -119,21 +122,11 @@ class RouterHub:
                 if callable(getattr(module, name, None)):
                     self._patches.patch(module, name, partial(refuse_packed, name))
         for i, site in enumerate(self.sites):
-            self._patches.patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
+            if not self.router_only[i]:  # a router class known to select inside itself needs no block wrapper
+                self._patches.patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
             self._patches.patch(
                 site.router, "forward", lambda inner, i=i, s=site: self._scope_wrapper(i, inner, s.logits_index)
             )
-
-    def _tracked_modules(self, modules: dict[str, nn.Module]) -> list[nn.Module]:
-        """The model and every transformers model inside it that holds routers: their outermost forward is a step."""
-        from transformers import PreTrainedModel
-
-        names = [site.name for site in self.sites]
-        found = [self.model]
-        for prefix, module in modules.items():
-            if prefix and isinstance(module, PreTrainedModel) and all(n.startswith(prefix + ".") for n in names):
-                found.append(module)
-        return found
 
     # ---- wrappers ------------------------------------------------------------------------------------------
     def _step_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -182,10 +175,12 @@ class RouterHub:
     def _scope_wrapper(self, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
         """Open router call `i` in whichever of the router and its MoE block runs first, and intercept its calls.
 
-        Both are wrapped: DBRX takes the top-k in the block, outside the router; JetMoE's attention experts call the
-        router from a method other than the block's forward. The first call intercepts in the whole block; when every
-        top-k it saw ran inside the router, later calls intercept in the router alone (cheaper: the experts' ops then
-        skip the Python-level TorchFunctionMode)."""
+        Both are wrapped until the router class is known: DBRX takes the top-k in the block, outside the router;
+        JetMoE's attention experts call the router from a method other than the block's forward. The first call
+        intercepts in the whole block; when every top-k it saw ran inside the router, later calls intercept in the
+        router alone (cheaper: the experts' ops then skip the Python-level TorchFunctionMode), and later contexts on
+        the model wrap the router alone. A router whose only top-k is a `torch.topk` in its own forward then runs a
+        redirected copy of that forward instead of the mode (redirect.py)."""
         is_router = logits_index is not None
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -200,7 +195,13 @@ class RouterHub:
             intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
             self._in_router[i] += is_router
             try:
-                if intercept:
+                redirected = None
+                if intercept and is_router and self.facts[i].redirect.get(self.sites[i].router.training):
+                    redirected = self._redirects.forward(self.sites[i].router, inner)
+                if redirected is not None:  # only the router's own torch.topk is intercepted
+                    call.intercepting = True
+                    out = self._redirects.run(call, redirected, self.sites[i].router, args, kwargs)
+                elif intercept:
                     call.intercepting = True
                     with InterceptMode(call, lambda: self._in_router[i] > 0):
                         out = inner(*args, **kwargs)
@@ -277,6 +278,9 @@ class RouterHub:
                 return
         if active and not self.router_only[i]:
             self.router_only[i] = facts.topk_in_router = not call.outside_router
+        if call.topk_sites and self.router_only[i] and router.training not in facts.redirect:
+            plain = bool(call.selectors) and type(call.selectors[-1]) is TopK  # a redirected top-k goes to it
+            facts.redirect[router.training] = plain and redirectable(router, call.topk_sites)
         call.check_replayed()
         if not call.record:
             return

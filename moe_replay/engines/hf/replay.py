@@ -12,6 +12,8 @@ from .call import Plan
 from .hub import RouterHub
 from .steps import Step
 
+SMALL_FORWARD = 1 << 20  # up to this many (token, layer, expert) entries, a forward's indices are converted at once
+
 
 class RouteReplayer:
     """Context manager returned by `replay_routes`."""
@@ -24,8 +26,9 @@ class RouteReplayer:
         self.track_live = track_live
         L = len(routes.layers)
         # per layer: expert slots where the live pick differs from the replayed one, and replayed tokens compared
-        self._moved = torch.zeros(L, dtype=torch.int64, device=routes.device)
-        self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device)
+        counts = L if track_live else 0
+        self._moved = torch.zeros(counts, dtype=torch.int64, device=routes.device)
+        self._compared = torch.zeros(counts, dtype=torch.int64, device=routes.device)
         self._hub: RouterHub | None = None
         self._mask_cpu = routes.mask.cpu()
         # positions before t holding an unrecorded token (in any sequence): a span is all recorded when its count is
@@ -34,6 +37,7 @@ class RouteReplayer:
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
         self._columns: dict[str, int] = {}
+        self._span: tuple | None = None  # the current forward's (see `_step_span`)
 
     def __enter__(self) -> RouteReplayer:
         if self._hub is not None:
@@ -45,6 +49,7 @@ class RouteReplayer:
             hub.detach(self)
             raise
         self._covered.clear()
+        self._span = None
         self._hub = hub
         return self
 
@@ -68,23 +73,43 @@ class RouteReplayer:
         layer = self._columns.get(name)
         if layer is None:
             raise ReplayError(f"router call {name!r} has no routes: the routes hold layers {r.layer_names}")
+        span = self._span
+        if span is None or span[0] is not step:  # the first router call of this forward: check and slice once
+            span = self._span = self._step_span(step)
+        _, mask, all_recorded, every_layer = span
+        if mask is None:
+            return None
+        start, end = step.start, step.start + step.length
+        info = r.layers[layer]
+        if every_layer is not None:
+            indices = every_layer[layer]
+        else:
+            indices = r.indices[:, start:end, layer].long().reshape(step.tokens, info.top_k)
+        self._covered.add((start, end, layer))
+        on_live = (lambda live, used: self._tally(layer, mask, live, used)) if self.track_live else None
+        groups = lambda G: self._groups_used(layer, G)  # noqa: E731
+        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live, groups)
+
+    def _step_span(self, step: Step) -> tuple[Step, torch.Tensor | None, bool, torch.Tensor | None]:
+        """(step, its positions' mask [N] or None when the step is not replayed, whether all are recorded, and for a
+        small forward every layer's indices as int64 [L, N, K], converted in one go), after checking that the routes
+        cover the step."""
+        r = self.routes
         if step.batch != r.batch_size:
             raise ReplayError(f"routes hold B={r.batch_size} sequences but the forward has batch {step.batch}")
         end = step.start + step.length
         if step.synced and step.start >= r.seq_len - 1:
-            return None  # a dummy forward of a rank that finished early (generate(synced_gpus=True)): not replayed
+            return step, None, True, None  # a dummy forward of a rank that finished early (generate(synced_gpus=True))
         if end > r.seq_len:
             raise ReplayError(
                 f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"
             )
-        info = r.layers[layer]
-        indices = r.indices[:, step.start : end, layer].reshape(step.tokens, info.top_k).long()
         mask = r.mask[:, step.start : end].reshape(step.tokens)
-        self._covered.add((step.start, end, layer))
-        all_recorded = self._gaps[end] == self._gaps[step.start]
-        on_live = (lambda live, used: self._tally(layer, mask, live, used)) if self.track_live else None
-        groups = lambda G: self._groups_used(layer, G)  # noqa: E731
-        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live, groups)
+        every_layer = None
+        L, K = len(r.layers), r.indices.shape[-1]
+        if step.tokens * L * K <= SMALL_FORWARD:  # one conversion per forward rather than one per router call
+            every_layer = r.indices[:, step.start : end].movedim(2, 0).reshape(L, step.tokens, K).long()
+        return step, mask, self._gaps[end] == self._gaps[step.start], every_layer
 
     def _groups_used(self, layer: int, G: int) -> int:
         """The most of G expert groups that any recorded token of `layer` uses (one host read per layer and G, over
@@ -121,6 +146,13 @@ class RouteReplayer:
         return self._moved.clone(), self._compared.clone()
 
     def _check_consumed(self) -> None:
+        T, L = self.routes.seq_len, len(self.routes.layers)
+        reach = [0] * L  # the common case, checked without tensors: spans from 0 that cover [0, T) for every layer
+        for start, end, layer in sorted(self._covered):
+            if start <= reach[layer]:
+                reach[layer] = max(reach[layer], end)
+        if all(r >= T for r in reach):
+            return
         covered = torch.zeros(self.routes.seq_len, len(self.routes.layers), dtype=torch.bool)
         for start, end, layer in self._covered:
             covered[start:end, layer] = True

@@ -43,20 +43,21 @@ class StepTracker:
     """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
     stream at the next position; any other forward starts a new stream at position 0."""
 
-    def __init__(self) -> None:
+    def __init__(self, signatures: dict | None = None) -> None:
         self.stream = -1
         self.cursor = 0
         self.batch = 0
         self.current: Step | None = None
         self.depth = 0
-        self._signatures: dict[int, inspect.Signature] = {}
+        # per forward function: its signature and positional parameter names (a dict the caller may keep across
+        # trackers, e.g. on the model: inspecting a signature costs more than a whole router call)
+        self._signatures: dict[Any, tuple[inspect.Signature, tuple[str, ...] | None]] = (
+            {} if signatures is None else signatures
+        )
 
     def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
         """Open the step of an outermost forward (`forward` is the module's unwrapped forward)."""
-        sig = self._signatures.get(id(forward))
-        if sig is None:
-            sig = self._signatures[id(forward)] = inspect.signature(forward)
-        bound = sig.bind_partial(*args, **kwargs).arguments
+        bound = self._arguments(forward, args, kwargs)
         tokens = _lookup(bound, "input_ids")
         if tokens is None:
             tokens = _lookup(bound, "inputs_embeds")
@@ -92,3 +93,22 @@ class StepTracker:
             real = torch.ones(B, t, dtype=torch.bool, device=tokens.device)
         self.current = Step(self.stream, B, start, t, real, grad=True if torch.is_grad_enabled() else None)
         return self.current
+
+    def _arguments(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name. Positional arguments map onto the leading positional parameters
+        (names cached per forward); a signature with *args, or more positional arguments than parameters, is bound
+        by `inspect`."""
+        found = self._signatures.get(forward)
+        if found is None:
+            sig = inspect.signature(forward)
+            kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            params = list(sig.parameters.values())
+            plain = all(p.kind != inspect.Parameter.VAR_POSITIONAL for p in params)
+            names = tuple(p.name for p in params if p.kind in kinds) if plain else None
+            found = self._signatures[forward] = (sig, names)
+        sig, names = found
+        if not args:
+            return kwargs
+        if names is None or len(args) > len(names):
+            return sig.bind_partial(*args, **kwargs).arguments
+        return {**dict(zip(names, args, strict=False)), **kwargs}

@@ -1,0 +1,91 @@
+"""What a hub needs to know about a model's module tree, found by one walk and kept on the model between contexts.
+
+An RL loop opens a context per minibatch or per log-prob chunk; walking every module each time costs more than the
+router calls of a small forward. The routers, their scopes and the tracked models are kept on the model with a
+stamp: every module on the path from the model to a router (or to a tracked model), with the number of children it
+has. A context reuses them only if every path still leads to the same modules and no module on it gained or lost a
+child, so a router added, removed or replaced anywhere along those paths (a new layer, a PEFT or checkpoint wrapper)
+is found by a fresh walk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .discover import RouterSite, find_routers
+
+ATTR = "_moe_replay_layout"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The routers of a model, the models inside it whose outermost forward is a step (the model first), and the
+    stamp they hold for: each module on the paths to them, with its number of children."""
+
+    sites: tuple[RouterSite, ...]
+    tracked: tuple[nn.Module, ...]
+    paths: tuple[str, ...]  # the routers' names, then the tracked models' (the model itself excluded)
+    stamp: tuple[tuple[nn.Module, int], ...]
+
+
+def model_layout(model: nn.Module) -> Layout:
+    """The model's routers and tracked models: the kept ones while the stamp holds, else from a fresh walk.
+
+    Example:
+        >>> [site.name for site in model_layout(model).sites]  # doctest: +SKIP
+        ['model.layers.1.mlp.gate', 'model.layers.2.mlp.gate']
+    """
+    kept = model.__dict__.get(ATTR)
+    if isinstance(kept, Layout) and _holds(model, kept):
+        return kept
+    modules = dict(model.named_modules())
+    sites = tuple(find_routers(model, modules))
+    tracked = _tracked(model, sites, modules)
+    paths = tuple(s.name for s in sites) + tuple(name for name, _ in tracked)
+    targets = [s.router for s in sites] + [m for _, m in tracked]
+    layout = Layout(sites, (model, *(m for _, m in tracked)), paths, _stamp(model, paths, targets))
+    model.__dict__[ATTR] = layout
+    return layout
+
+
+def _holds(model: nn.Module, layout: Layout) -> bool:
+    """Whether the paths still lead to the same modules, through the same modules with as many children each."""
+    targets = [s.router for s in layout.sites] + list(layout.tracked[1:])
+    stamp = _stamp(model, layout.paths, targets)
+    return len(stamp) == len(layout.stamp) and all(
+        a is b and n == m for (a, n), (b, m) in zip(stamp, layout.stamp, strict=True)
+    )
+
+
+def _tracked(
+    model: nn.Module, sites: tuple[RouterSite, ...], modules: dict[str, nn.Module]
+) -> list[tuple[str, nn.Module]]:
+    """Every transformers model inside `model` that holds all the routers, by name: like the model itself, its
+    outermost forward is a step."""
+    from transformers import PreTrainedModel
+
+    names = [site.name for site in sites]
+    return [
+        (prefix, module)
+        for prefix, module in modules.items()
+        if prefix and isinstance(module, PreTrainedModel) and all(n.startswith(prefix + ".") for n in names)
+    ]
+
+
+def _stamp(model: nn.Module, paths: tuple[str, ...], targets: list[nn.Module]) -> tuple[tuple[nn.Module, int], ...]:
+    """Each module on the paths (the model first, each once) with its number of children; () if a path is broken
+    or does not end at its target."""
+    seen: dict[int, tuple[nn.Module, int]] = {id(model): (model, len(model._modules))}
+    for path, target in zip(paths, targets, strict=True):
+        module = model
+        for part in path.split("."):
+            module = module._modules.get(part)
+            if module is None:
+                return ()
+            if id(module) not in seen:
+                seen[id(module)] = (module, len(module._modules))
+        if module is not target:
+            return ()
+    return tuple(seen.values())

@@ -1,0 +1,111 @@
+"""Intercept only a router's selecting `torch.topk`, not every torch function of its forward.
+
+A `TorchFunctionMode` sends every op of the router (the gate's linear, softmax, casts, the top-k, the normalisation)
+through Python: tens of microseconds per router call on the host. Most routers select their experts with one
+`torch.topk(...)` written in their own `forward`. For those, the hub runs a copy of that forward whose module-level
+name `torch` is a proxy: every attribute is torch's own, except `topk`, which hands the call to the selectors. Which
+routers qualify is learned from a call under the mode (`topk_sites`): exactly one top-k, a `torch.topk` call whose
+frame is the class's own undecorated `forward`. Any other router keeps the mode.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+_TORCH_DIR = torch.__file__.rpartition("/")[0] + "/"
+
+
+def caller_code() -> types.CodeType | None:
+    """The code object of the innermost frame outside torch (and outside this package's interception), i.e. the
+    function that called the torch function being intercepted."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_globals.get("__name__", "").startswith(__package__)
+    ):
+        frame = frame.f_back
+    return None if frame is None else frame.f_code
+
+
+def redirectable(router: nn.Module, sites: list[tuple[Any, types.CodeType | None]]) -> bool:
+    """Whether `router`'s top-k calls seen in one call (`sites`: (torch function, caller code) pairs) are exactly one
+    `torch.topk` written in its class's own `forward` (whose module-level `torch` the proxy can replace)."""
+    forward = type(router).forward
+    if len(sites) != 1 or not isinstance(forward, types.FunctionType):
+        return False
+    func, code = sites[0]
+    return func is torch.topk and code is forward.__code__ and bool(_torch_names(forward))
+
+
+def _torch_names(func: types.FunctionType) -> list[str]:
+    """The module-level names through which `func` reaches the torch module (usually just "torch")."""
+    return [n for n in func.__code__.co_names if func.__globals__.get(n) is torch]
+
+
+class TorchProxy:
+    """torch, as the redirected forward sees it: `topk` is the hub's; every other attribute is torch's own (those the
+    forward names are set up front, so reading them costs a plain attribute lookup)."""
+
+    def __init__(self, topk: Callable[..., Any], names: tuple[str, ...]) -> None:
+        for name in names:
+            if name != "topk" and hasattr(torch, name):
+                setattr(self, name, getattr(torch, name))
+        self.topk = topk
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def redirected_forward(forward: types.FunctionType, topk: Callable[..., Any]) -> types.FunctionType:
+    """A copy of a router class's `forward` whose `torch.topk` calls go to `topk` (call it as `copy(router, ...)`).
+
+    Example:
+        >>> fast = redirected_forward(type(router).forward, my_topk)  # doctest: +SKIP
+        >>> fast(router, hidden_states)  # torch.topk inside runs my_topk  # doctest: +SKIP
+    """
+    proxy = TorchProxy(topk, forward.__code__.co_names)
+    scope = dict(forward.__globals__)
+    for name in _torch_names(forward):
+        scope[name] = proxy
+    copy = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
+    copy.__kwdefaults__ = forward.__kwdefaults__
+    return copy
+
+
+class Redirects:
+    """One hub's redirected router forwards (per router class) and the router call running inside one."""
+
+    def __init__(self) -> None:
+        self._forwards: dict[type, types.FunctionType] = {}
+        self._call: Any = None
+
+    def forward(self, router: nn.Module, inner: Any) -> types.FunctionType | None:
+        """The redirected copy of `router`'s class forward, or None if `inner` (what the router's forward is now)
+        is not that forward bound to `router`: redirecting would bypass another wrapper."""
+        forward = type(router).forward
+        if getattr(inner, "__func__", None) is not forward or getattr(inner, "__self__", None) is not router:
+            return None
+        found = self._forwards.get(type(router))
+        if found is None:
+            found = self._forwards[type(router)] = redirected_forward(forward, self._topk)
+        return found
+
+    def run(self, call: Any, forward: types.FunctionType, router: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Run the redirected `forward` of `router` for router call `call`."""
+        self._call = call
+        try:
+            return forward(router, *args, **kwargs)
+        finally:
+            self._call = None
+
+    def _topk(self, *args: Any, **kwargs: Any) -> Any:
+        """`torch.topk` as a redirected forward sees it: the call's plain top-k selector (the last) runs it."""
+        call = self._call
+        if call is None:
+            return torch.topk(*args, **kwargs)
+        return call.selectors[-1].run(torch.topk, args, kwargs)

@@ -1,0 +1,98 @@
+"""Interception of the router's own `torch.topk` only (redirect.py): which routers qualify, that it replays bit for
+bit like the TorchFunctionMode path (forward and gradients), and that anything else keeps the mode."""
+
+from __future__ import annotations
+
+import torch
+from families import build_tiny_model
+
+from moe_replay import record_routes, replay_routes
+from moe_replay.engines.hf.facts import router_facts
+
+
+def facts_of(model):  # noqa: ANN001, ANN202
+    (facts,) = router_facts(model).values()
+    return facts
+
+
+def gates(model):  # noqa: ANN001, ANN202
+    """The routers of a tiny Qwen3-MoE (its first layer is dense)."""
+    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+
+
+def replayed(model, routes, ids, redirect: bool | None):  # noqa: ANN001, ANN202
+    """Logits and router-weight gradients of a replayed forward + backward; `redirect` forces the path (None: as
+    learned)."""
+    if redirect is not None:
+        facts_of(model).redirect[model.training] = redirect
+    model.zero_grad()
+    with replay_routes(model, routes):
+        logits = model(ids).logits
+        logits.square().mean().backward()
+    grads = [p.grad.clone() for n, p in model.named_parameters() if n.endswith("gate.weight")]
+    return logits.detach(), grads
+
+
+def test_a_plain_topk_router_is_redirected_and_replays_like_the_mode_path():
+    model = build_tiny_model("qwen3_moe").train()
+    ids = torch.randint(5, 100, (2, 10))
+    with torch.no_grad(), record_routes(model) as rec:
+        live = model(ids).logits
+    first, _ = replayed(model, rec.routes, ids, None)  # learns, per training mode, that the top-k qualifies
+    assert facts_of(model).redirect == {True: True}
+    fast, fast_grads = replayed(model, rec.routes, ids, True)
+    mode, mode_grads = replayed(model, rec.routes, ids, False)
+    assert torch.equal(fast, live) and torch.equal(fast, mode) and torch.equal(first, live)
+    assert all(torch.equal(a, b) for a, b in zip(fast_grads, mode_grads, strict=True))
+    assert all(g.abs().sum() > 0 for g in fast_grads)  # the router still gets gradients
+
+
+def test_routers_that_do_not_qualify_keep_the_mode():
+    # group-limited routing: two top-k calls (groups, then experts), steered by the mode
+    model = build_tiny_model("deepseek_v3")
+    ids = torch.randint(5, 100, (2, 8))
+    with torch.no_grad(), record_routes(model) as rec:
+        live = model(ids).logits
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        assert torch.equal(model(ids).logits, live)
+    assert not any(f.redirect.get(False) for f in router_facts(model).values())
+
+    # a wrapper in front of the router's forward (as accelerate's hooks install): redirecting would bypass it
+    model = build_tiny_model("qwen3_moe")
+    calls = []
+    for gate in gates(model):
+        gate.forward = lambda *a, _f=gate.forward, **k: calls.append(1) or _f(*a, **k)
+    with torch.no_grad(), record_routes(model) as rec:
+        live = model(ids).logits
+    for _ in range(2):
+        n = len(calls)
+        with torch.no_grad(), replay_routes(model, rec.routes):
+            assert torch.equal(model(ids).logits, live)
+        assert len(calls) - n == len(rec.routes.layers)  # the wrapper ran for every router call
+
+    # a top-k called from a helper, not from the router's own forward
+    model = build_tiny_model("qwen3_moe")
+    gate_cls = type(gates(model)[0])
+    source = gate_cls.forward
+
+    def pick(probs, k):  # noqa: ANN001, ANN202
+        return torch.topk(probs, k, dim=-1)
+
+    class HelperTopK(gate_cls):
+        def forward(self, hidden_states):  # noqa: ANN001, ANN202
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            logits = torch.nn.functional.linear(hidden_states, self.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            values, indices = pick(probs, self.top_k)
+            values = values / values.sum(dim=-1, keepdim=True) if self.norm_topk_prob else values
+            return logits, values.to(logits.dtype), indices
+
+    assert source is not HelperTopK.forward
+    for gate in gates(model):
+        gate.__class__ = HelperTopK
+    with torch.no_grad(), record_routes(model) as rec:
+        live = model(ids).logits
+    for _ in range(2):
+        with torch.no_grad(), replay_routes(model, rec.routes):
+            assert torch.equal(model(ids).logits, live)
+    assert router_facts(model)[HelperTopK].redirect == {False: False}
