@@ -11,7 +11,7 @@ Hypothesis (to confirm or refute): with sampler π_old, GRPO without replay fall
 seeds, a larger maximum drop of its held-out reward) and R3 or the correction closes the gap.
 
     python experiments/mismatch.py --preset quick   # every arm, 1 seed, 2 steps: a smoke test (CI runs it)
-    python experiments/mismatch.py --preset full    # 5 seeds x 10 arms x 100 steps (resumable; about 2 hours)
+    python experiments/mismatch.py --preset full    # 5 seeds x 10 arms x 100 steps (resumable; ~90 min, one thread)
 
 Writes <out>/mismatch_steps.csv (every step of every run), mismatch_summary.csv and mismatch.png.
 """
