@@ -23,7 +23,12 @@ _TORCH_DIR = torch.__file__.rpartition("/")[0] + "/"
 
 def caller_code() -> types.CodeType | None:
     """The code object of the innermost frame outside torch (and outside this package's interception), i.e. the
-    function that called the torch function being intercepted."""
+    function that called the torch function being intercepted.
+
+    Example:
+        >>> caller_code() is not None  # called from a doctest frame
+        True
+    """
     frame = sys._getframe(1)
     while frame is not None and (
         frame.f_code.co_filename.startswith(_TORCH_DIR) or frame.f_globals.get("__name__", "").startswith(__package__)
@@ -34,7 +39,12 @@ def caller_code() -> types.CodeType | None:
 
 def redirectable(router: nn.Module, sites: list[tuple[Any, types.CodeType | None]]) -> bool:
     """Whether `router`'s top-k calls seen in one call (`sites`: (torch function, caller code) pairs) are exactly one
-    `torch.topk` written in its class's own `forward` (whose module-level `torch` the proxy can replace)."""
+    `torch.topk` written in its class's own `forward` (whose module-level `torch` the proxy can replace).
+
+    Example:
+        >>> redirectable(router, [(torch.topk, type(router).forward.__code__)])  # doctest: +SKIP
+        True
+    """
     forward = type(router).forward
     if len(sites) != 1 or not isinstance(forward, types.FunctionType):
         return False

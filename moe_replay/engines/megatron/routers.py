@@ -46,14 +46,26 @@ class Site:
 
 
 def pipelined(config: Any) -> bool:
-    """Whether a model config splits the layers over pipeline stages (or virtual-pipeline chunks)."""
+    """Whether a model config splits the layers over pipeline stages (or virtual-pipeline chunks).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> pipelined(SimpleNamespace(pipeline_model_parallel_size=2))
+        True
+    """
     return (getattr(config, "pipeline_model_parallel_size", 1) or 1) > 1 or bool(
         getattr(config, "virtual_pipeline_model_parallel_size", None)
     )
 
 
 def moe_pattern(config: Any) -> list[int]:
-    """1 for each of the whole model's `num_layers` decoder layers that is an MoE layer (`moe_layer_freq`), else 0."""
+    """1 for each of the whole model's `num_layers` decoder layers that is an MoE layer (`moe_layer_freq`), else 0.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> moe_pattern(SimpleNamespace(num_layers=4, moe_layer_freq=2))
+        [1, 0, 1, 0]
+    """
     freq, n = getattr(config, "moe_layer_freq", 1), int(config.num_layers)
     pattern = [int(i % freq == 0) for i in range(n)] if isinstance(freq, int) else [int(x) for x in freq]
     if len(pattern) != n:
@@ -62,7 +74,12 @@ def moe_pattern(config: Any) -> list[int]:
 
 
 def total_moe_layers(sites: Sequence[Site]) -> int:
-    """How many MoE layers the whole model has (all pipeline stages together)."""
+    """How many MoE layers the whole model has (all pipeline stages together).
+
+    Example:
+        >>> total_moe_layers(find_routers(stage_model))  # doctest: +SKIP
+        48
+    """
     config = sites[0].router.config
     return sum(moe_pattern(config)) if pipelined(config) else len(sites)
 
