@@ -5,9 +5,11 @@ adds per router call, writes it as CSV, ends with `targets met: N/M`.
     python benchmarks/host_cost.py           # benchmarks/results_host_cost.csv (about 10 minutes on 2 CPU cores)
     python benchmarks/host_cost.py --quick   # fewer repeats (a few minutes); writes results_host_cost_quick.csv
 
-Each ratio is measured side by side in one process (alternating, median over repeats) against the same work without
-moe-replay; an A/A row runs the plain work against itself. Times are the main thread's CPU time on one torch thread
-(`time.thread_time`): the host work a GPU run would do, and less disturbed by other processes than wall time.
+Each ratio is measured side by side in one process against the same work without moe-replay: all the forward
+variants of a model run in one loop (order reversed every repeat, median over repeats), and so do the generate
+variants; an A/A row compares two copies of the plain work from the same loop. Times are the main thread's CPU time
+on one torch thread (`time.thread_time`): the host work a GPU run would do, less disturbed by other processes than
+wall time.
 Extra host time per router call = (ours - plain) / the number of router calls in the work (L per forward; L per
 decode step under generate). Replay is measured twice: with the context opened and closed around every forward (a
 log-prob chunk, a minibatch) and with one context around 10 forwards, against 10 plain forwards of the same model.
@@ -37,16 +39,18 @@ TARGETS = {  # issue 18: (work, model) -> largest ratio
 }
 
 
-def paired(a: Callable[[], object], b: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """Median main-thread CPU seconds of `a` and `b`, run alternately (order flipped every repeat) after a warm-up."""
-    a(), b()
-    ta, tb = [], []
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median main-thread CPU seconds of each function, all run in one loop (order reversed every repeat, after a
+    warm-up), so that every row compares work done under the same machine state."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(repeats):
-        for fn, out in ((a, ta), (b, tb)) if r % 2 else ((b, tb), (a, ta)):
+        for name, fn in list(fns.items())[:: 1 if r % 2 else -1]:
             t0 = time.thread_time()
             fn()
-            out.append(time.thread_time() - t0)
-    return statistics.median(ta), statistics.median(tb)
+            times[name].append(time.thread_time() - t0)
+    return {name: statistics.median(found) for name, found in times.items()}
 
 
 HELD = 10  # forwards per held-open context in the second replay row
@@ -88,32 +92,32 @@ def main() -> int:
     ap.add_argument("--csv", type=Path, default=None, help="default: benchmarks/results_host_cost[_quick].csv")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: thread_time sees all work)")
     args = ap.parse_args()
-    reps_fwd, reps_gen = (31, 5) if args.quick else (201, 31)
+    reps_fwd, reps_gen = (100, 5) if args.quick else (400, 21)
     torch.set_num_threads(args.threads)
     rows, met = [], []
     for label, spec in (("tiny", TINY), ("realistic", REALISTIC)):
         model, ours, held, plain, plain_held = replay_forward(spec, batch=1, length=32)
         layers = model.config.num_hidden_layers
-        for work, a, b, calls, reps in (
-            ("replay forward", ours, plain, layers, reps_fwd),
-            (f"replay forward, {HELD} per context", held, plain_held, layers * HELD, max(5, reps_fwd // HELD)),
-            ("A/A forward", plain, plain, layers, reps_fwd),
-            (
-                "record generate",
-                generate_fn(model, 1, 32, "cpu", True),
-                generate_fn(model, 1, 32, "cpu", False),
-                layers * 32,
-                reps_gen,
-            ),
-            (
-                "A/A generate",
-                generate_fn(model, 1, 32, "cpu", False),
-                generate_fn(model, 1, 32, "cpu", False),
-                layers * 32,
-                reps_gen,
-            ),
+        scale = 1 if label == "tiny" else 10  # the realistic forward is about 20x slower: fewer repeats
+        forwards = interleaved(
+            {"ours": ours, "held": held, "plain": plain, "plain2": plain, "plain_held": plain_held},
+            max(5, reps_fwd // scale // HELD * 2),
+        )
+        generates = interleaved(
+            {
+                "record": generate_fn(model, 1, 32, "cpu", True),
+                "plain": generate_fn(model, 1, 32, "cpu", False),
+                "plain2": generate_fn(model, 1, 32, "cpu", False),
+            },
+            reps_gen,
+        )
+        for work, t_ours, t_base, calls in (
+            ("replay forward", forwards["ours"], forwards["plain"], layers),
+            (f"replay forward, {HELD} per context", forwards["held"], forwards["plain_held"], layers * HELD),
+            ("A/A forward", forwards["plain2"], forwards["plain"], layers),
+            ("record generate", generates["record"], generates["plain"], layers * 32),
+            ("A/A generate", generates["plain2"], generates["plain"], layers * 32),
         ):
-            t_ours, t_base = paired(a, b, reps if label == "tiny" or "generate" in work else max(5, reps // 10))
             target = TARGETS.get((work, label))
             ratio = t_ours / t_base
             ok = None if target is None else ratio <= target
