@@ -11,12 +11,14 @@ cores; several seeds per arm, where the paper shows one run.
 
     python experiments/compare.py --preset quick   # all arms, 1 seed, 8 steps: a smoke test (CI runs it)
     python experiments/compare.py --preset full    # 3 seeds x 4 arms x 200 steps: the README's numbers
+    python experiments/compare.py --replot         # redraw the summary and figure from the committed CSV
 
 Writes <out>/compare_steps.csv (every step of every run, tidy), compare_summary.csv and compare.png.
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pandas as pd
@@ -89,27 +91,50 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(frame: pd.DataFrame) -> Figure:
-    """Reward, clipped tokens, expert change per update and p99 |log-ratio| over steps, mean ± sd over seeds."""
-    fig = Figure(figsize=(11, 7), layout="constrained")
-    axes = fig.subplots(2, 2).flatten()
+    """Reward (10-step running mean) and its paired difference to GRPO (same seed and step), clipped tokens, expert
+    change per update and p99 |log-ratio| over steps, mean ± sd over seeds."""
+    keys = ["arm", "seed"]
+    frame = frame.replace({"arm": {"GRPO + replay": "GRPO + R3", "GSPO + replay": "GSPO + R3"}})
+    frame = frame.assign(
+        smooth=frame.groupby(keys).reward_mean.transform(lambda r: r.rolling(10, min_periods=1).mean())
+    )
+    wide = frame.pivot_table(index=["seed", "step"], columns="arm", values="smooth")
+    paired = (  # GRPO's own gap (0) stays, so that every arm keeps its colour
+        wide.sub(wide["GRPO"], axis=0).reset_index().melt(id_vars=["seed", "step"], var_name="arm", value_name="gap")
+    )
+    fig = Figure(figsize=(15, 7), layout="constrained")
+    axes = fig.subplots(2, 3).flatten()
+    seeds = frame.seed.nunique()
+    plots.over_training(frame, y="smooth", group="arm", ylabel="reward (10-step mean)", ax=axes[0], title="reward")
+    plots.over_training(
+        paired, y="gap", group="arm", ylabel="arm − GRPO, same seed", ax=axes[1], title="reward gap to GRPO (paired)"
+    )
+    axes[1].axhline(0.0, color="grey", lw=0.8)
     panels = [
-        ("reward_mean", "reward (partial credit)", False),
         ("clip_ratio/region_mean", "clipped tokens", True),
         ("expert_change", "routed experts changed per update", True),
         ("abs_log_ratio/p99", "p99 |token log-ratio|", False),
     ]
-    seeds = frame.seed.nunique()
-    for ax, (col, label, percent) in zip(axes, panels, strict=True):
+    for ax, (col, label, percent) in zip(axes[3:], panels, strict=True):
         plots.over_training(frame, y=col, group="arm", ylabel=label, percent=percent, ax=ax, title=label)
-    for ax in axes[1:]:  # one legend is enough
+    axes[2].set_visible(False)
+    for ax in axes[3:]:  # the reward panels carry the legends
         ax.get_legend().remove()
-    fig.suptitle(f"GRPO vs GSPO, with and without Routing Replay, tiny MoE (mean ± sd over {seeds} seed(s))")
+    fig.suptitle(f"GRPO vs GSPO, with and without R3 replay, tiny MoE (mean ± sd over {seeds} seed(s))")
     return fig
 
 
+def options(ap: argparse.ArgumentParser) -> None:
+    """compare.py's own option: `--replot`."""
+    ap.add_argument("--replot", action="store_true", help="redraw the summary and figure from <out>/compare_steps.csv")
+
+
 def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/compare_{preset}"))
-    frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/compare_{preset}"), extra=options)
+    if args.replot:
+        frame = pd.read_csv(args.out / "compare_steps.csv")
+    else:
+        frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
     publish(summarize(frame), figure(frame), args.out, "compare", dpi=110)
 
 
