@@ -2,10 +2,10 @@
 
 An RL loop opens a context per minibatch or per log-prob chunk; walking every module each time costs more than the
 router calls of a small forward. The routers, their scopes and the tracked models are kept on the model with a
-stamp: every module on the path from the model to a router (or to a tracked model), with the number of children it
-has. A context reuses them only if every path still leads to the same modules and no module on it gained or lost a
-child, so a router added, removed or replaced anywhere along those paths (a new layer, a PEFT or checkpoint wrapper)
-is found by a fresh walk.
+stamp: every module on the path from the model to a router (or to a tracked model), with its children. A context
+reuses them only if every path still leads to the same modules and every module on it still has the same children,
+so a router added, removed or replaced anywhere along those paths (a new layer, a dense layer swapped for an MoE
+one, a PEFT or checkpoint wrapper) is found by a fresh walk.
 """
 
 from __future__ import annotations
@@ -17,17 +17,18 @@ from torch import nn
 from .discover import RouterSite, find_routers
 
 ATTR = "_moe_replay_layout"
+Stamp = tuple[tuple[nn.Module, tuple[nn.Module | None, ...]], ...]  # (module, its children) along the paths
 
 
 @dataclass(frozen=True)
 class Layout:
     """The routers of a model, the models inside it whose outermost forward is a step (the model first), and the
-    stamp they hold for: each module on the paths to them, with its number of children."""
+    stamp they hold for: each module on the paths to them, with its children."""
 
     sites: tuple[RouterSite, ...]
     tracked: tuple[nn.Module, ...]
     paths: tuple[str, ...]  # the routers' names, then the tracked models' (the model itself excluded)
-    stamp: tuple[tuple[nn.Module, int], ...]
+    stamp: Stamp
 
 
 def model_layout(model: nn.Module) -> Layout:
@@ -51,11 +52,12 @@ def model_layout(model: nn.Module) -> Layout:
 
 
 def _holds(model: nn.Module, layout: Layout) -> bool:
-    """Whether the paths still lead to the same modules, through the same modules with as many children each."""
+    """Whether the paths still lead to the same modules, through the same modules with the same children."""
     targets = [s.router for s in layout.sites] + list(layout.tracked[1:])
     stamp = _stamp(model, layout.paths, targets)
     return len(stamp) == len(layout.stamp) and all(
-        a is b and n == m for (a, n), (b, m) in zip(stamp, layout.stamp, strict=True)
+        a is b and len(x) == len(y) and all(c is d for c, d in zip(x, y, strict=True))
+        for (a, x), (b, y) in zip(stamp, layout.stamp, strict=True)
     )
 
 
@@ -74,10 +76,12 @@ def _tracked(
     ]
 
 
-def _stamp(model: nn.Module, paths: tuple[str, ...], targets: list[nn.Module]) -> tuple[tuple[nn.Module, int], ...]:
-    """Each module on the paths (the model first, each once) with its number of children; () if a path is broken
-    or does not end at its target."""
-    seen: dict[int, tuple[nn.Module, int]] = {id(model): (model, len(model._modules))}
+def _stamp(model: nn.Module, paths: tuple[str, ...], targets: list[nn.Module]) -> Stamp:
+    """Each module on the paths (the model first, each once) with its children; () if a path is broken or does not
+    end at its target."""
+    seen: dict[int, tuple[nn.Module, tuple[nn.Module | None, ...]]] = {
+        id(model): (model, tuple(model._modules.values()))
+    }
     for path, target in zip(paths, targets, strict=True):
         module = model
         for part in path.split("."):
@@ -85,7 +89,7 @@ def _stamp(model: nn.Module, paths: tuple[str, ...], targets: list[nn.Module]) -
             if module is None:
                 return ()
             if id(module) not in seen:
-                seen[id(module)] = (module, len(module._modules))
+                seen[id(module)] = (module, tuple(module._modules.values()))
         if module is not target:
             return ()
     return tuple(seen.values())

@@ -41,6 +41,12 @@ def test_layout_is_kept_and_found_again_when_the_tree_changes():
     assert model_layout(model).sites[0].router is block.gate
 
     kept = model_layout(model)
+    layers[0] = copy.deepcopy(layers[1])  # the dense first layer swapped for an MoE one: same number of children
+    assert model_layout(model) is not kept
+    grown = recorded_layers(model, ids)
+    assert len(grown) == len(first) + 2
+
+    kept = model_layout(model)
     layers[1] = checkpoint_wrapper(layers[1])  # a wrapper renames the path: found again
     assert model_layout(model) is not kept
     assert [plain_name(n) for n in recorded_layers(model, ids)] == grown
