@@ -9,7 +9,7 @@ How it differs from the paper: a tiny Qwen3-MoE (4 layers, 16 experts, top-2, 1.
 3-digit addition with per-digit partial credit, 16 prompts x 8 answers per step, μ = 4 minibatches, Adam, on 2 CPU
 cores; several seeds per arm, where the paper shows one run.
 
-    python experiments/compare.py --preset quick   # all arms, 1 seed, 8 steps: a smoke test (CI runs it)
+    python experiments/compare.py --preset quick   # all arms, 1 seed, 4 steps: a smoke test (CI runs it)
     python experiments/compare.py --preset full    # 3 seeds x 4 arms x 200 steps: the README's numbers
     python experiments/compare.py --replot         # redraw the summary and figure from the committed CSV
 
@@ -35,7 +35,7 @@ ARMS = {
     "GSPO + replay": {"importance_sampling_level": "sequence", "replay": "rollout"},
 }
 PRESETS = {
-    "quick": {"seeds": [0], "steps": 8, "warm_start_steps": 60},
+    "quick": {"seeds": [0], "steps": 4, "warm_start_steps": 30},
     "full": {"seeds": [0, 1, 2], "steps": 200, "warm_start_steps": 300},
 }
 THRESHOLD = 0.5  # reward threshold for "steps to reach"

@@ -43,7 +43,7 @@ PRESETS = {
     "quick": {
         "settings": ["stress", "stress − lr 1e-3"],
         "seeds": [0],
-        "steps": 2,
+        "steps": 1,
         "warm_start_steps": 10,
         "batch": {"prompts": 4, "group_size": 4},  # 16 answers: one per minibatch at μ 16
     },
