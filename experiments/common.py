@@ -73,6 +73,17 @@ def warm_started(
     return path
 
 
+def running_mean(frame: pd.DataFrame, column: str = "reward_mean", window: int = 5) -> pd.Series:
+    """`column` as a `window`-step running mean within each run (the rows sharing setting, arm and seed, whichever
+    of those columns the frame has).
+
+    Example:
+        >>> frame.assign(smooth=running_mean(frame, window=10))  # doctest: +SKIP
+    """
+    keys = [k for k in ("setting", "arm", "seed") if k in frame.columns]
+    return frame.groupby(keys)[column].transform(lambda r: r.rolling(window, min_periods=1).mean())
+
+
 def write_table(frame: pd.DataFrame, path: Path) -> Path:
     """Write `frame` as CSV (no index) to `path`, making its folder; returns `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
-from common import parse_args, publish, write_table
+from common import parse_args, publish, running_mean, write_table
 from matplotlib.figure import Figure
 
 from moe_replay.analysis import plots
@@ -93,11 +93,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 def figure(frame: pd.DataFrame) -> Figure:
     """Reward (10-step running mean) and its paired difference to GRPO (same seed and step), clipped tokens, expert
     change per update and p99 |log-ratio| over steps, mean ± sd over seeds."""
-    keys = ["arm", "seed"]
     frame = frame.replace({"arm": {"GRPO + replay": "GRPO + R3", "GSPO + replay": "GSPO + R3"}})
-    frame = frame.assign(
-        smooth=frame.groupby(keys).reward_mean.transform(lambda r: r.rolling(10, min_periods=1).mean())
-    )
+    frame = frame.assign(smooth=running_mean(frame, window=10))
     wide = frame.pivot_table(index=["seed", "step"], columns="arm", values="smooth")
     paired = (  # GRPO's own gap (0) stays, so that every arm keeps its colour
         wide.sub(wide["GRPO"], axis=0).reset_index().melt(id_vars=["seed", "step"], var_name="arm", value_name="gap")

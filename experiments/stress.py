@@ -24,7 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from common import WARM_STARTS, parse_args, publish, warm_started, write_table
+from common import WARM_STARTS, parse_args, publish, running_mean, warm_started, write_table
 from matplotlib.figure import Figure
 
 from moe_replay.analysis import plots
@@ -117,8 +117,7 @@ def _mean(runs: pd.DataFrame, column: str) -> float:
 def figure(frame: pd.DataFrame) -> Figure:
     """Reward (5-step running mean, mean ± sd over seeds) per setting, each arm; below, the routes moved by the last
     minibatch."""
-    keys = ["setting", "arm", "seed"]
-    frame = frame.assign(smooth=frame.groupby(keys).reward_mean.transform(lambda r: r.rolling(5, min_periods=1).mean()))
+    frame = frame.assign(smooth=running_mean(frame))
     names = list(dict.fromkeys(frame.setting))
     fig = Figure(figsize=(3.3 * len(names), 6), layout="constrained")
     axes = fig.subplots(2, len(names), squeeze=False, sharey="row")

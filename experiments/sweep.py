@@ -24,7 +24,7 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
-from common import parse_args, publish, write_table
+from common import parse_args, publish, running_mean, write_table
 from matplotlib.figure import Figure
 
 from moe_replay.analysis import plots
@@ -85,12 +85,6 @@ def run_all(names: list[str], preset: str, runs: Path, progress: bool) -> pd.Dat
     return pd.concat(frames, ignore_index=True)
 
 
-def smoothed_reward(frame: pd.DataFrame) -> pd.Series:
-    """The reward as a 5-step running mean within each run (setting, arm, seed)."""
-    keys = [k for k in ("setting", "arm", "seed") if k in frame.columns]
-    return frame.groupby(keys).reward_mean.transform(lambda r: r.rolling(5, min_periods=1).mean())
-
-
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """Per setting: final reward (mean of the last 20% of steps) of each arm, mean ± sd over seeds; the paired
     gap replay − no replay per seed, its mean ± sd and in how many seeds replay is ahead; the largest drop from a
@@ -103,7 +97,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         final = tail.groupby(["arm", "seed"]).reward_mean.mean().unstack("arm")
         gap = final["GRPO + replay"] - final["GRPO"]
         drop = (
-            runs.assign(smooth=smoothed_reward(runs))
+            runs.assign(smooth=running_mean(runs))
             .groupby(["arm", "seed"])
             .smooth.agg(lambda r: r.max() - r.iloc[-1])
             .groupby("arm")
@@ -141,7 +135,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 def figure(frame: pd.DataFrame) -> Figure:
     """Reward over steps per setting (5-step running mean per run), GRPO with and without replay, mean ± sd over
     seeds."""
-    frame = frame.assign(smooth=smoothed_reward(frame))
+    frame = frame.assign(smooth=running_mean(frame))
     names = list(frame.setting.unique())
     cols = min(5, len(names))
     rows = -(-len(names) // cols)

@@ -28,6 +28,17 @@ def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
+def same_module(a: str, b: str) -> bool:
+    """Whether two names (already through `plain_name`) name the same module: equal, or one a dotted suffix of the
+    other (a wrapped model, or routes recorded on an inner module).
+
+    Example:
+        >>> same_module("base_model.model.layers.0.mlp.gate", "model.layers.0.mlp.gate")
+        True
+    """
+    return a == b or a.endswith("." + b) or b.endswith("." + a)
+
+
 def match_layers(
     routers: Sequence[str],
     held: Sequence[LayerInfo],
@@ -57,7 +68,7 @@ def match_layers(
             mapping[b] = plain[pb]
             named = True
             continue
-        hits = [n for p, n in plain.items() if p.endswith("." + pb) or pb.endswith("." + p)]
+        hits = [n for p, n in plain.items() if same_module(p, pb)]  # no exact match (checked above): a suffix
         named |= bool(hits)
         if len(hits) == 1:
             mapping[b] = hits[0]

@@ -18,15 +18,14 @@ import torch
 from torch import nn
 
 from ...errors import ReplayError
-from ...layers import match_layers, plain_name
+from ...layers import match_layers, plain_name, same_module
 from ...routes import LayerInfo, Routes, index_dtype
 from .routers import Site, find_routers, total_moe_layers
 
 
 def _same(a: str, b: str) -> bool:
-    """Whether two layer names name the same module (equal, or one a dotted suffix of the other)."""
-    pa, pb = plain_name(a), plain_name(b)
-    return pa == pb or pa.endswith("." + pb) or pb.endswith("." + pa)
+    """Whether two layer names name the same module, by the rule `match_layers` uses."""
+    return same_module(plain_name(a), plain_name(b))
 
 
 def _indexless(name: str) -> str:
