@@ -51,7 +51,7 @@ class RouterCall:
     router_out: Any = None
     outside_router: bool = False  # an intercepted call ran in the MoE block, outside the router
     intercepting: bool = False
-    topk_sites: list[tuple[Any, Any]] = field(default_factory=list)  # (top-k function, caller code) seen by the mode
+    topk_sites: list[tuple[Any, Any]] | None = None  # (top-k function, caller code) seen by the mode, while learning
 
     @property
     def active(self) -> bool:
@@ -108,6 +108,6 @@ class InterceptMode(TorchFunctionMode):
         self.call, self.in_router = call, in_router
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func in TOPK_FUNCS:
+        if func in TOPK_FUNCS and self.call.topk_sites is not None:  # only until redirect.py's fact is learned
             self.call.topk_sites.append((func, caller_code()))
         return dispatch(self.call, func, args, kwargs or {}, self.in_router)

@@ -240,6 +240,8 @@ class RouterHub:
         name = f"{site.name}#{n}" if n else site.name
         plan = self.replayers[-1].plan(name, step) if self.replayers else None
         call = RouterCall(i, site, name, step, plan, record=bool(self.recorders))
+        if site.router.training not in self.facts[i].redirect:  # still to learn whether its top-k can be redirected
+            call.topk_sites = []
         call.selectors = [make(call) for make in self.selectors[i]]
         return call
 
