@@ -20,6 +20,7 @@ from moe_replay.rl import Task, build_policy, warm_start
 
 RESULTS = Path("experiments/results")  # the committed results; tests write elsewhere (--out)
 WARM_STARTS = Path("runs/warm_starts")  # warm-started policies, shared by the experiments that start from one
+BASE_TASK = Task("addition", 3)  # the task every experiment warm-starts on unless it says otherwise
 
 
 def parse_args(
@@ -53,22 +54,30 @@ def parse_args(
 
 
 def warm_started(
-    cache: Path, *, layers: int = 4, experts: int = 16, top_k: int = 2, steps: int = 300, seed: int = 0
+    cache: Path,
+    *,
+    layers: int = 4,
+    experts: int = 16,
+    top_k: int = 2,
+    steps: int = 300,
+    seed: int = 0,
+    task: Task = BASE_TASK,
 ) -> Path:
     """The folder (save_pretrained) of the default policy with `layers` layers, `experts` experts and top-`top_k`,
-    warm-started on 3-digit addition for up to `steps` steps (stopping at sampled reward 0.35): made once, then
-    reused from `cache`. The folder name holds every setting, so a quick preset's short warm start never stands in
-    for a full one.
+    warm-started on `task` (default 3-digit addition) for up to `steps` steps (stopping at sampled reward 0.35):
+    made once, then reused from `cache`. The folder name holds every setting, so a quick preset's short warm start
+    never stands in for a full one.
 
     Example:
         >>> model = AutoModelForCausalLM.from_pretrained(warm_started(WARM_STARTS, layers=8))  # doctest: +SKIP
     """
-    path = cache / f"init_L{layers}_E{experts}_k{top_k}_w{steps}_seed{seed}"
+    kind = "" if task == BASE_TASK else f"_{task.kind}{task.size}"
+    path = cache / f"init_L{layers}_E{experts}_k{top_k}{kind}_w{steps}_seed{seed}"
     if not (path / "config.json").exists():
         model = build_policy(
             {"num_hidden_layers": layers, "num_experts": experts, "num_experts_per_tok": top_k}, seed=seed
         )
-        warm_start(model, Task("addition", 3), steps=steps, target_reward=0.35, seed=seed)
+        warm_start(model, task, steps=steps, target_reward=0.35, seed=seed)
         model.save_pretrained(path)
     return path
 

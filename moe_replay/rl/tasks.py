@@ -60,8 +60,8 @@ class Task:
     def __post_init__(self) -> None:
         if self.kind not in ("addition", "sort", "running_sum"):
             raise ValueError(f"unknown task {self.kind!r}: use 'addition', 'sort' or 'running_sum'")
-        if not 1 <= self.size <= 12:
-            raise ValueError(f"task size must be in 1..12, got {self.size}")
+        if not 1 <= self.size <= 64:
+            raise ValueError(f"task size must be in 1..64, got {self.size}")
 
     @property
     def prompt_len(self) -> int:

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import matplotlib.image as mpimg
 import pandas as pd
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,3 +106,30 @@ def test_stress_quick_preset(tmp_path):
     assert summary.loc[("stress", "GRPO + R3"), "clipped_live_counterfactual"] >= 0
     image = mpimg.imread(tmp_path / "out" / "stress.png")
     assert image.shape[0] > 300 and image.shape[1] > 500
+
+
+def test_scaling_quick_preset(tmp_path):
+    out = run_quick("scaling.py", tmp_path)
+    steps = pd.read_csv(out / "scaling_steps.csv")
+    assert set(steps.setting) == {"base", "8 layers"} and set(steps.minibatch) == {1}  # μ 2: one off-policy minibatch
+    assert (steps.var_live >= 0).all() and steps.kl_update.ge(0).all() and steps.lr.gt(0).all()
+    assert steps.experts_changed.between(0, 1).all() and steps.clip_live.between(0, 1).all()
+    summary = pd.read_csv(out / "scaling_summary.csv").set_index("setting")
+    assert list(summary.index) == ["base", "8 layers"] and summary.layers.tolist() == [4, 8]
+    # two depths fit a line exactly: its prediction at 48 layers is where the line through both points goes
+    fit = pd.read_csv(out / "scaling_fit.csv").set_index(["metric", "target"]).estimate
+    a, b = summary.share_var_mean
+    assert fit[("log-ratio variance", "48 layers, 16 experts, top-2")] == pytest.approx(a + (b - a) * math.log2(12))
+    assert (tmp_path / "runs" / "warm_starts" / "init_L8_E16_k2_w10_seed0" / "config.json").exists()
+    assert mpimg.imread(out / "scaling.png").shape[1] > 1000
+
+
+def test_long_answers_quick_preset(tmp_path):
+    out = run_quick("long_answers.py", tmp_path)
+    steps = pd.read_csv(out / "long_answers_steps.csv")
+    assert set(steps.answer_len) == {4, 16} and set(steps.arm) == {"GRPO", "GRPO + R2", "GSPO"}
+    summary = pd.read_csv(out / "long_answers_summary.csv").set_index(["answer_len", "arm"])
+    assert len(summary) == 6 and (summary.loc[(slice(None), "GRPO"), "gap_to_grpo_mean"] == 0).all()
+    assert summary.heldout_reward_mean.between(0, 1).all() and summary.clipped_mean.between(0, 1).all()
+    assert (tmp_path / "runs" / "init_running_sum16_seed0" / "config.json").exists()  # one warm start per length
+    assert mpimg.imread(out / "long_answers.png").shape[1] > 1000

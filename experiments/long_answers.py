@@ -1,0 +1,164 @@
+"""Does answer length change the picture? GRPO, GRPO + R2 and GSPO on running sums with 4-, 16- and 64-token answers.
+
+The GSPO paper's answers run to thousands of tokens; ours (compare.py) had 4. GSPO's sequence ratio is the geometric
+mean of its token ratios, so it should clip whole answers more often as they lengthen (the paper reports ~15% of
+tokens clipped against GRPO's ~0.13%), and a per-token routing change has more tokens to land on.
+
+Hypotheses (issue 16, experiment 3): GSPO's clip fraction falls with answer length toward the paper's ~15% while
+GRPO's stays near 1%; and whether replay (R2: the routes of the old-log-prob forward) matters more as answers
+lengthen, read from the paired gap to GRPO of the same length and seed.
+
+Setting: the tiny Qwen3-MoE (4 layers, 16 experts, top-2) warm-started on each length's running sums (one warm start
+per length and seed, shared by the arms), 16 prompts x 8 answers, μ = 4 minibatches, lr 1e-4, a 128-prompt held-out
+set evaluated every 20 steps.
+
+    python experiments/long_answers.py --preset quick   # 4 and 16 tokens, 1 seed, 1 step: a smoke test
+    python experiments/long_answers.py --preset full    # 3 lengths x 3 arms x 3 seeds x 60 steps (resumable)
+
+Writes <out>/long_answers_steps.csv (every step of every run), long_answers_summary.csv and long_answers.png.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from common import parse_args, publish, write_table
+from matplotlib.figure import Figure
+
+from moe_replay.rl import TrainConfig, train
+
+ARMS = {
+    "GRPO": {"importance_sampling_level": "token", "replay": "off"},
+    "GRPO + R2": {"importance_sampling_level": "token", "replay": "old_logprob"},
+    "GSPO": {"importance_sampling_level": "sequence", "replay": "off"},
+}
+HELDOUT = "eval/sampled/reward"
+PRESETS = {
+    "quick": {
+        "lengths": [4, 16],
+        "seeds": [0],
+        "steps": 1,
+        "warm_start_steps": 10,
+        "train": {"prompts": 4, "group_size": 4, "minibatches": 2, "heldout_prompts": 16, "eval_every": 1},
+    },
+    "full": {
+        "lengths": [4, 16, 64],
+        "seeds": [0, 1, 2],
+        "steps": 60,
+        "warm_start_steps": 300,
+        "train": {"heldout_prompts": 128, "eval_every": 20},
+    },
+}
+
+
+def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
+    """Train every arm at every length, seed by seed (runs resume if interrupted); write and return the logs."""
+    p = PRESETS[preset]
+    frames = []
+    for seed in p["seeds"]:
+        for length in p["lengths"]:
+            init = runs / f"init_running_sum{length}_seed{seed}"  # shared by the arms
+            for arm, settings in ARMS.items():
+                tag = arm.lower().replace(" + ", "_").replace(" ", "_")
+                cfg = TrainConfig(
+                    output=str(runs / f"{tag}_len{length}_seed{seed}"),
+                    init=str(init),
+                    seed=seed,
+                    task="running_sum",
+                    task_size=length,
+                    steps=p["steps"],
+                    warm_start_steps=p["warm_start_steps"],
+                    **p["train"],
+                    **settings,
+                )
+                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
+                frames.append(log.assign(answer_len=length, arm=arm, seed=seed))
+    frame = pd.concat(frames, ignore_index=True)
+    write_table(frame, out / "long_answers_steps.csv")
+    return frame
+
+
+def per_run(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per length, arm and seed: final training reward (mean of the last 20% of steps), the last held-out
+    reward, the share of tokens clipped (mean over steps), and both rewards' paired gaps to GRPO at the same length
+    and seed."""
+    rows = []
+    for (length, arm, seed), run in frame.groupby(["answer_len", "arm", "seed"], sort=False):
+        tail = run[run.step > run.step.max() * 0.8]
+        held = run.dropna(subset=[HELDOUT])
+        rows.append(
+            {
+                "answer_len": length,
+                "arm": arm,
+                "seed": seed,
+                "final_reward": tail.reward_mean.mean(),
+                "heldout_reward": held[HELDOUT].iloc[-1] if len(held) else np.nan,
+                "clipped": run["clip_ratio/region_mean"].mean(),
+            }
+        )
+    runs = pd.DataFrame(rows)
+    keys = pd.MultiIndex.from_frame(runs[["answer_len", "seed"]])
+    grpo = runs[runs.arm == "GRPO"].set_index(["answer_len", "seed"])
+    for col in ("final_reward", "heldout_reward"):
+        gap = "gap_to_grpo" if col == "final_reward" else "heldout_gap_to_grpo"
+        runs[gap] = runs[col].to_numpy() - grpo[col].reindex(keys).to_numpy()
+    return runs
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per length and arm, mean ± sd over seeds: final and held-out reward, clipped tokens, and the paired gaps to
+    GRPO of the same length and seed."""
+    runs = per_run(frame)
+    cols = ["final_reward", "heldout_reward", "clipped", "gap_to_grpo", "heldout_gap_to_grpo"]
+    g = runs.groupby(["answer_len", "arm"], sort=False)
+    summary = g[cols].agg(["mean", "std"])
+    summary.columns = [f"{c}_{s.replace('std', 'sd')}" for c, s in summary.columns]
+    summary.insert(0, "seeds", g.seed.nunique())
+    summary.insert(1, "seeds_ahead_of_grpo", g.gap_to_grpo.apply(lambda s: int((s > 0).sum())))
+    return summary.reset_index()
+
+
+def figure(frame: pd.DataFrame) -> Figure:
+    """Clipped tokens, final reward, and the paired gap to GRPO, each against answer length (mean ± sd over seeds;
+    seeds as dots)."""
+    runs = summarize(frame)
+    seeds = per_run(frame)
+    fig = Figure(figsize=(12, 3.8), layout="constrained")
+    axes = fig.subplots(1, 3)
+    lengths = sorted(runs.answer_len.unique())
+    panels = [
+        ("clipped", "tokens clipped (%)", 100, list(ARMS)),
+        ("final_reward", "final training reward", 1, list(ARMS)),
+        ("gap_to_grpo", "final reward − GRPO's (paired)", 1, [a for a in ARMS if a != "GRPO"]),
+    ]
+    for ax, (col, label, scale, arms) in zip(axes, panels, strict=True):
+        for k, arm in enumerate(arms):
+            part = runs[runs.arm == arm].set_index("answer_len").reindex(lengths)
+            x = np.arange(len(lengths)) + (k - (len(arms) - 1) / 2) * 0.12
+            color = f"C{list(ARMS).index(arm)}"
+            ax.errorbar(x, part[f"{col}_mean"] * scale, part[f"{col}_sd"].fillna(0) * scale, fmt="o-",
+                        capsize=3, color=color, label=arm)  # fmt: skip
+            mine = seeds[seeds.arm == arm]
+            for i, length in enumerate(lengths):
+                dots = mine.loc[mine.answer_len == length, col] * scale
+                ax.plot([x[i]] * len(dots), dots, ".", color=color, alpha=0.35)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xlabel("answer tokens (running sums)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize="x-small")
+    axes[2].axhline(0, color="gray", lw=0.8)
+    n = frame.seed.nunique()
+    fig.suptitle(f"Longer answers: GRPO, GRPO + R2 and GSPO on running sums ({n} seeds, mean ± sd; dots are seeds)")
+    return fig
+
+
+def main() -> None:
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/long_answers_{preset}"))
+    frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
+    publish(summarize(frame), figure(frame), args.out, "long_answers")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The tables, the extrapolation and the figure of scaling.py, from its per-minibatch measurements.
+
+Example (from scaling.py, or on the committed CSV):
+    >>> frame = pd.read_csv("experiments/results/scaling_steps.csv")  # doctest: +SKIP
+    >>> summarize(frame), extrapolate(frame)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+SHAPE = ["setting", "varies", "layers", "experts", "top_k", "answer_len"]
+METRICS = {"share_var": "log-ratio variance", "share_clip": "tokens outside the clip band"}
+TARGET_LAYERS = 48  # the GSPO paper's Qwen3-30B-A3B: 48 layers, 128 experts, top-8
+WIDE = "128 experts, top-8"
+
+
+def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per setting and seed: the measured means, and routing's shares 1 − replayed / live."""
+    g = frame.groupby([*SHAPE, "seed"], sort=False)
+    out = g[["var_live", "var_replay", "clip_live", "clip_replay", "experts_changed", "kl_update"]].mean()
+    out = out.join(g[["lr", "calibrated_kl"]].first()).reset_index()
+    out["share_var"] = 1 - out.var_replay / out.var_live
+    out["share_clip"] = 1 - out.clip_replay / out.clip_live.where(out.clip_live > 0)
+    return out
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per setting: seeds, calibrated lr, the per-update KL reached, experts moved, and routing's shares (mean, sd)."""
+    seeds = per_seed(frame)
+    g = seeds.groupby(SHAPE, sort=False)
+    summary = g.agg(
+        seeds=("seed", "nunique"),
+        lr=("lr", "mean"),
+        kl_update=("kl_update", "mean"),
+        experts_changed=("experts_changed", "mean"),
+        share_var_mean=("share_var", "mean"),
+        share_var_sd=("share_var", "std"),
+        share_clip_mean=("share_clip", "mean"),
+        share_clip_sd=("share_clip", "std"),
+    )
+    return summary.reset_index()
+
+
+def extrapolate(frame: pd.DataFrame, draws: int = 4000, seed: int = 0) -> pd.DataFrame:
+    """Fit share = a + b·log2(layers) on the depth axis (base and depth settings) and predict it at 48 layers; with
+    the 128-expert top-8 setting, add its gap to the base measured at 4 layers (an additive model). The 90% interval
+    draws each setting's mean from a normal with its standard error over seeds (zero with one seed)."""
+    seeds = per_seed(frame)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for metric, label in METRICS.items():
+        stats = seeds.groupby(SHAPE, sort=False)[metric].agg(["mean", "std", "count"]).reset_index()
+        stats["se"] = (stats["std"] / np.sqrt(stats["count"])).fillna(0.0)
+        depth = stats[stats.varies.isin(["base", "depth"])].sort_values("layers")
+        if len(depth) < 2 or depth["mean"].isna().any():
+            continue
+        x = np.log2(depth.layers.to_numpy(float))
+
+        def sample(row: pd.Series) -> np.ndarray:
+            return rng.normal(row["mean"], row["se"], draws)
+
+        ys = np.stack([sample(r) for _, r in depth.iterrows()])  # [settings, draws]
+        slopes, intercepts = np.polyfit(x, ys, 1)
+        b, a = np.polyfit(x, depth["mean"].to_numpy(), 1)
+        at = np.log2(TARGET_LAYERS)
+        cases = [(f"{TARGET_LAYERS} layers, 16 experts, top-2", a + b * at, intercepts + slopes * at)]
+        wide, base = stats[stats.setting == WIDE], stats[stats.varies == "base"]
+        if len(wide) and len(base):
+            gap = wide.iloc[0]["mean"] - base.iloc[0]["mean"]
+            gaps = sample(wide.iloc[0]) - sample(base.iloc[0])
+            cases.append((f"{TARGET_LAYERS} layers, {WIDE}", a + b * at + gap, intercepts + slopes * at + gaps))
+        cases.append(("slope per doubling of depth", b, slopes))
+        for target, estimate, sampled in cases:
+            low, high = np.quantile(sampled, [0.05, 0.95])
+            rows.append({"metric": label, "target": target, "estimate": estimate, "low_90": low, "high_90": high})
+    return pd.DataFrame(rows, columns=["metric", "target", "estimate", "low_90", "high_90"])
+
+
+def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float) -> Figure:
+    """Routing's shares along each axis (seeds as dots, mean ± sd as bars), the depth fit extended to 48 layers with
+    its 90% intervals, and the per-update KL each setting reached against the target."""
+    seeds = per_seed(frame)
+    stats = summarize(frame)
+    fig = Figure(figsize=(14, 3.8), layout="constrained")
+    axes = fig.subplots(1, 4, gridspec_kw={"width_ratios": [1.4, 1, 1, 1.3]})
+    colors = {"share_var": "C0", "share_clip": "C1"}
+    panels = [("depth", ["base", "depth"]), ("experts / top-k", ["base", "experts"]), ("answer", ["length"])]
+    for ax, (title, kinds) in zip(axes, panels, strict=False):
+        rows = stats[stats.varies.isin(kinds)]
+        rows = rows.sort_values("layers") if title == "depth" else rows
+        ax.set_title(f"along {title}", fontsize="medium")
+        if rows.empty:
+            ax.text(0.5, 0.5, "not in this preset", ha="center", transform=ax.transAxes)
+            continue
+        if title == "depth":
+            xs = np.log2(rows.layers.to_numpy(float))
+            ticks = [*rows.layers.tolist(), TARGET_LAYERS]
+            ax.set_xticks(np.log2(ticks), [str(t) for t in ticks])
+            ax.set_xlabel("layers (16 experts, top-2)")
+        else:
+            xs = np.arange(len(rows), dtype=float)
+            names = rows.setting.str.replace("base", "16 experts, top-2" if title != "answer" else "base")
+            ax.set_xticks(xs, [n.replace(", ", "\n") for n in names], fontsize="small")
+            ax.set_xlim(-0.5, len(rows) - 0.5)
+            ax.set_xlabel("4 layers" + (", 16 experts, top-2" if title == "answer" else ""))
+        for k, (metric, label) in enumerate(METRICS.items()):
+            off = (k - 0.5) * 0.08 if title == "depth" else (k - 0.5) * 0.2
+            mean, sd = rows[f"{metric}_mean"].to_numpy() * 100, rows[f"{metric}_sd"].fillna(0).to_numpy() * 100
+            ax.errorbar(xs + off, mean, sd, fmt="o-" if title == "depth" else "o", color=colors[metric], capsize=3,
+                        label=f"share of {label}")  # fmt: skip
+            for x, name in zip(xs, rows.setting, strict=True):
+                dots = seeds.loc[seeds.setting == name, metric] * 100
+                ax.plot([x + off] * len(dots), dots, ".", color=colors[metric], alpha=0.35)
+            if title == "depth":
+                extend(ax, fit[fit.metric == label], rows, colors[metric], off)
+        ax.axhline(50, color="gray", lw=0.8, ls=":")
+        ax.set_ylabel("routing's share (%)")
+    axes[0].legend(fontsize="x-small", loc="upper left")
+    kl = seeds.groupby("setting", sort=False).kl_update.agg(["mean", "std"])
+    axes[3].bar(range(len(kl)), kl["mean"], yerr=kl["std"].fillna(0), color="C2", capsize=2)
+    axes[3].axhline(kl_target, color="k", lw=0.8, ls="--", label=f"target {kl_target:g}")
+    axes[3].set_xticks(range(len(kl)), kl.index, rotation=45, ha="right", fontsize="x-small")
+    axes[3].set_ylabel("KL per GRPO step (nats / token)")
+    axes[3].set_yscale("log")
+    axes[3].legend(fontsize="x-small")
+    axes[3].set_title("the matched per-update KL, reached", fontsize="medium")
+    n = sorted(set(stats.seeds))
+    fig.suptitle(
+        "Routing's share of GRPO's token-ratio noise (1 − replayed / live at the same weights), at a matched "
+        f"per-update KL; {'–'.join(map(str, n[:: max(len(n) - 1, 1)]))} seeds per setting, mean ± sd"
+    )
+    return fig
+
+
+def extend(ax, fit: pd.DataFrame, depth: pd.DataFrame, color: str, off: float) -> None:
+    """The depth fit as a dashed line out to 48 layers, and the 48-layer predictions with their 90% intervals."""
+    at = np.log2(TARGET_LAYERS)
+    slope = fit[fit.target.str.startswith("slope")].estimate
+    for _, row in fit[~fit.target.str.startswith("slope")].iterrows():
+        wide = "128" in row.target
+        err = np.array([[row.estimate - row.low_90], [row.high_90 - row.estimate]]) * 100
+        x = at + off + (0.12 if wide else 0)
+        label = f"{TARGET_LAYERS} layers, {WIDE}" if wide else None
+        ax.errorbar([x], [row.estimate * 100], err, fmt="D" if wide else "s", color=color, capsize=3,
+                    mfc="white" if wide else color, label=label)  # fmt: skip
+        if not wide and len(slope):
+            xs = np.array([np.log2(depth.layers.min()), at])
+            ax.plot(xs + off, (row.estimate + slope.iloc[0] * (xs - at)) * 100, "--", color=color, lw=1)
