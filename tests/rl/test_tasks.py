@@ -37,3 +37,14 @@ def test_rewards():
         task.reward(completions[:, :2], answers)
     with pytest.raises(ValueError, match="unknown task"):
         Task("division")
+
+
+def test_long_running_sums():
+    """64-digit running sums (the long-answer experiment): 64-token answers, each the prefix sum mod 10."""
+    task = Task("running_sum", 64)
+    prompts, answers = task.sample(3, torch.Generator().manual_seed(0))
+    assert prompts.shape == (3, 66) and answers.shape == (3, 64) and task.answer_len == 64
+    digits = prompts[:, 2:] - 3  # BOS, ':' then the digits (token id = 3 + symbol index)
+    assert torch.equal(answers - 3, digits.cumsum(1) % 10)
+    with pytest.raises(ValueError, match=r"1\.\.64, got 65"):
+        Task("running_sum", 65)
