@@ -156,12 +156,15 @@ def report(frame: pd.DataFrame, out: Path) -> None:
     lr = lrs[len(lrs) // 2]
     fig = Figure(figsize=(6.4, 3.8), layout="constrained")
     ax = fig.subplots()
-    for variant, part in frame[(frame.lr == lr) & (frame.experts == 16) & (frame.top_k == 2)].groupby("variant"):
-        curve = part.groupby("layer").fraction.mean() * 100
-        ax.plot(curve.index, curve.values, marker="o", label=f"{variant} (mean of {updates} updates, seeds)")
+    depth = frame[(frame.lr == lr) & (frame.experts == 16) & (frame.top_k == 2)].sort_values("layers", kind="stable")
+    for variant, part in depth.groupby("variant", sort=False):  # legend in depth order
+        per_seed = (part.groupby(["layer", "seed"]).fraction.mean() * 100).groupby("layer")  # mean of the updates
+        mean, sd = per_seed.mean(), per_seed.std().fillna(0)
+        (line,) = ax.plot(mean.index, mean.values, marker="o", label=variant)
+        ax.fill_between(mean.index, mean - sd, mean + sd, alpha=0.15, color=line.get_color())
     ax.set_xlabel("MoE layer index")
-    ax.set_ylabel("routed experts changed (%)")
-    ax.set_title(f"Expert change per layer, lr {lr:g}, by depth")
+    ax.set_ylabel(f"routed experts changed (%), mean of {updates} updates")
+    ax.set_title(f"Expert change per layer, by depth (lr {lr:g}; mean ± sd over {seeds} seeds)", fontsize="medium")
     ax.legend(fontsize="small")
     save_figure(fig, out / "expert_change_layers.png")
     print(f"wrote {out}/expert_change.csv and two figures")
