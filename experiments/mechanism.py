@@ -12,7 +12,8 @@ How it differs from the paper: a tiny Qwen3-MoE (4 layers, 16 experts, top-2) wa
 weights), on 2 CPU cores.
 
     python experiments/mechanism.py --preset quick    # 10-step warm start, 1 learning rate, 1 step: a smoke test
-    python experiments/mechanism.py --preset full     # 3 learning rates x 3 seeds x 5 steps (about 5 minutes)
+    python experiments/mechanism.py --preset full     # 3 learning rates x 3 seeds x 5 steps (about a minute)
+    python experiments/mechanism.py --replot          # redraw the summary and figure from the committed CSV
 
 Starts from the warm start of experiments/expert_change.py's 4-layer variant (300 steps; made under --runs, default
 runs/warm_starts, if missing) or from --init. Writes experiments/results/mechanism.csv and mechanism.png.
@@ -78,20 +79,72 @@ def run(lr: float, seed: int, steps: int, init: Path) -> list[dict]:
     return rows
 
 
+def share(frame: pd.DataFrame, column: str) -> pd.Series:
+    """Routing's share of `column` per lr and seed: 1 − replayed / live, each the mean over that seed's minibatches
+    (paired: the same tokens at the same weights)."""
+    means = frame.groupby(["lr", "seed", "view"])[column].mean().unstack("view")
+    return 1 - means["routing replay"] / means["live routing"].where(means["live routing"] > 0)
+
+
+def figure(frame: pd.DataFrame) -> Figure:
+    """Variance, p99 and clipped share of the token log-ratio per lr, routed live vs replayed (mean ± sd over seeds),
+    and the paired panel: routing's share 1 − replayed / live per seed."""
+    fig = Figure(figsize=(12, 3.4), layout="constrained")
+    axes = fig.subplots(1, 4)
+    lrs = sorted(frame.lr.unique())
+    for ax, col, label in zip(
+        axes,
+        ["var_log_ratio", "p99_abs_log_ratio", "outside_clip"],
+        ["variance of token log-ratio", "p99 of |token log-ratio|", "tokens outside clip band (%)"],
+        strict=False,
+    ):
+        for k, view in enumerate(["live routing", "routing replay"]):
+            per = frame[frame.view == view].groupby(["lr", "seed"])[col].mean().groupby("lr")
+            mean, sd = per.mean(), per.std().fillna(0)
+            scale = 100 if col == "outside_clip" else 1
+            xs = [i + (k - 0.5) * 0.38 for i in range(len(lrs))]
+            ax.bar(xs, mean.values * scale, width=0.38, yerr=sd.values * scale, label=view, capsize=2)
+        ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+        ax.set_xlabel("learning rate")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize="small")
+    ax = axes[3]
+    for k, (col, label) in enumerate([("var_log_ratio", "of the variance"), ("outside_clip", "of clipped tokens")]):
+        shares = share(frame, col) * 100
+        per_lr = shares.groupby("lr")
+        xs = [i + (k - 0.5) * 0.2 for i in range(len(lrs))]
+        ax.errorbar(xs, per_lr.mean().values, per_lr.std().fillna(0).values, fmt="o", capsize=3, label=label)
+        for i, lr in enumerate(lrs):
+            dots = shares.xs(lr, level="lr").dropna()
+            ax.plot([xs[i]] * len(dots), dots.values, ".", color=f"C{k}", alpha=0.4)
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("routing's share, 1 − replayed / live (%)")
+    ax.set_title("paired, per seed (dots)", fontsize="medium")
+    ax.legend(fontsize="small")
+    seeds = frame.seed.nunique()
+    fig.suptitle(f"GRPO minibatches 2-4: the same weights, routing live vs replayed (mean ± sd over {seeds} seeds)")
+    return fig
+
+
 def options(ap: argparse.ArgumentParser) -> None:
-    """mechanism.py's own option: `--init`."""
+    """mechanism.py's own options: `--init` and `--replot`."""
     ap.add_argument(
         "--init", type=Path, help="a warm-started policy (save_pretrained folder) instead of the cached one"
     )
+    ap.add_argument("--replot", action="store_true", help="redraw the summary and figure from <out>/mechanism.csv")
 
 
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=WARM_STARTS, extra=options)
     p = PRESETS[args.preset]
-    init = args.init or warm_started(args.runs, layers=4, experts=16, top_k=2, steps=p["warm_steps"], seed=0)
-    rows = [r for lr in p["lrs"] for s in p["seeds"] for r in run(lr, s, p["steps"], init)]
-    frame = pd.DataFrame(rows)
-    write_table(frame, args.out / "mechanism.csv")
+    if args.replot:
+        frame = pd.read_csv(args.out / "mechanism.csv")
+    else:
+        init = args.init or warm_started(args.runs, layers=4, experts=16, top_k=2, steps=p["warm_steps"], seed=0)
+        frame = pd.DataFrame([r for lr in p["lrs"] for s in p["seeds"] for r in run(lr, s, p["steps"], init)])
+        write_table(frame, args.out / "mechanism.csv")
     summary = frame.groupby(["lr", "view"]).agg(
         var_log_ratio=("var_log_ratio", "mean"),
         p99=("p99_abs_log_ratio", "mean"),
@@ -105,28 +158,7 @@ def main() -> None:
         "share of log-ratio variance caused by routing:",
         (1 - rep.var_log_ratio / live.var_log_ratio).round(3).to_dict(),
     )
-
-    fig = Figure(figsize=(9, 3.4), layout="constrained")
-    axes = fig.subplots(1, 3)
-    lrs = sorted(frame.lr.unique())
-    for ax, col, label in zip(
-        axes,
-        ["var_log_ratio", "p99_abs_log_ratio", "outside_clip"],
-        ["variance of token log-ratio", "p99 of |token log-ratio|", "tokens outside clip band (%)"],
-        strict=True,
-    ):
-        for k, view in enumerate(["live routing", "routing replay"]):
-            per = frame[frame.view == view].groupby(["lr", "seed"])[col].mean().groupby("lr")
-            mean, sd = per.mean(), per.std().fillna(0)
-            scale = 100 if col == "outside_clip" else 1
-            xs = [i + (k - 0.5) * 0.38 for i in range(len(lrs))]
-            ax.bar(xs, mean.values * scale, width=0.38, yerr=sd.values * scale, label=view, capsize=2)
-        ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
-        ax.set_xlabel("learning rate")
-        ax.set_ylabel(label)
-    axes[0].legend(fontsize="small")
-    fig.suptitle("GRPO minibatches 2-4: the same weights, routing live vs replayed (mean ± sd over seeds)")
-    save_figure(fig, args.out / "mechanism.png")
+    save_figure(figure(frame), args.out / "mechanism.png")
     print(f"wrote {args.out}/mechanism.csv and mechanism.png")
 
 
