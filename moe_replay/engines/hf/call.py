@@ -16,7 +16,7 @@ from .selectors import TOPK_FUNCS, Selector
 from .steps import Step
 
 
-@dataclass
+@dataclass(slots=True)
 class Plan:
     """The routes one router call must use: `indices` [N, K] int64, `mask` [N] bool (False routes live).
 
@@ -34,7 +34,7 @@ class Plan:
     groups_used: Callable[[int], int] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RouterCall:
     """One run of one router inside a forward (or its recompute in the backward)."""
 

@@ -54,7 +54,7 @@ class RouterHub:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        layout = model_layout(model)  # kept on the model between contexts while its module tree holds
+        self.layout = layout = model_layout(model)  # kept on the model between contexts while its tree holds
         self.sites: list[RouterSite] = list(layout.sites)
         self.tracker = StepTracker(signature_cache(model))
         self.recorders: list[Recorder] = []

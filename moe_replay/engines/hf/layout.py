@@ -10,7 +10,7 @@ one, a PEFT or checkpoint wrapper) is found by a fresh walk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -29,6 +29,7 @@ class Layout:
     tracked: tuple[nn.Module, ...]
     paths: tuple[str, ...]  # the routers' names, then the tracked models' (the model itself excluded)
     stamp: Stamp
+    columns: dict = field(default_factory=dict, compare=False)  # routes' layers -> match_layers' result, per layout
 
 
 def model_layout(model: nn.Module) -> Layout:
@@ -55,10 +56,15 @@ def _holds(model: nn.Module, layout: Layout) -> bool:
     """Whether the paths still lead to the same modules, through the same modules with the same children."""
     targets = [s.router for s in layout.sites] + list(layout.tracked[1:])
     stamp = _stamp(model, layout.paths, targets)
-    return len(stamp) == len(layout.stamp) and all(
-        a is b and len(x) == len(y) and all(c is d for c, d in zip(x, y, strict=True))
-        for (a, x), (b, y) in zip(stamp, layout.stamp, strict=True)
-    )
+    if len(stamp) != len(layout.stamp):
+        return False
+    for (a, x), (b, y) in zip(stamp, layout.stamp, strict=True):  # loops, not generators: this runs per context
+        if a is not b or len(x) != len(y):
+            return False
+        for c, d in zip(x, y, strict=True):
+            if c is not d:
+                return False
+    return True
 
 
 def _tracked(

@@ -52,6 +52,7 @@ class RouteRecorder:
         if stream is None:
             stream = self._streams[step.stream] = _Stream(step.batch)
         if not stream.steps or stream.steps[-1] is not step:
+            step.real  # noqa: B018  (the padding mask, copied now: the caller may reuse its mask buffer)
             stream.steps.append(step)
             stream.per_step.append({})
         known = self._experts.setdefault(layer, num_experts)

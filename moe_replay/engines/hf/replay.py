@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ...errors import ReplayError
 from ...layers import match_layers
-from ...routes import Routes
+from ...routes import LayerInfo, Routes
 from .call import Plan
 from .hub import RouterHub
 from .steps import Step
 
 SMALL_FORWARD = 1 << 20  # up to this many (token, layer, expert) entries, a forward's indices are converted at once
+
+
+def columns_for(hub: RouterHub, layers: tuple[LayerInfo, ...], owner: str) -> dict[str, int]:
+    """`match_layers` of the hub's routers against `layers`, kept with the model's layout (a context per minibatch
+    asks the same question each time)."""
+    kept = hub.layout.columns
+    key = (layers, owner)
+    found = kept.get(key)
+    if found is None:
+        found = kept[key] = match_layers([s.name for s in hub.sites], layers, owner)
+    return found
 
 
 class RouteReplayer:
@@ -26,9 +39,8 @@ class RouteReplayer:
         self.track_live = track_live
         L = len(routes.layers)
         # per layer: expert slots where the live pick differs from the replayed one, and replayed tokens compared
-        counts = L if track_live else 0
-        self._moved = torch.zeros(counts, dtype=torch.int64, device=routes.device)
-        self._compared = torch.zeros(counts, dtype=torch.int64, device=routes.device)
+        self._moved = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
+        self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
         self._hub: RouterHub | None = None
         self._mask_cpu = routes.mask.cpu()
         # positions before t holding an unrecorded token (in any sequence): a span is all recorded when its count is
@@ -36,6 +48,7 @@ class RouteReplayer:
         self._gaps = [0, *torch.cumsum((~self._mask_cpu).any(0), 0).tolist()]
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
+        self._group_checks: dict[int, partial] = {}  # per layer: G -> its `_groups_used`
         self._columns: dict[str, int] = {}
         self._span: tuple | None = None  # the current forward's (see `_step_span`)
 
@@ -44,7 +57,7 @@ class RouteReplayer:
             raise RuntimeError("this replay context is already active")
         hub = RouterHub.attach(self.model, self, replay=True)
         try:
-            self._columns = match_layers([s.name for s in hub.sites], self.routes.layers, type(self.model).__name__)
+            self._columns = columns_for(hub, self.routes.layers, type(self.model).__name__)
         except ReplayError:
             hub.detach(self)
             raise
@@ -86,13 +99,15 @@ class RouteReplayer:
         else:
             indices = r.indices[:, start:end, layer].long().reshape(step.tokens, info.top_k)
         self._covered.add((start, end, layer))
-        on_live = (lambda live, used: self._tally(layer, mask, live, used)) if self.track_live else None
-        groups = lambda G: self._groups_used(layer, G)  # noqa: E731
+        on_live = partial(self._tally, layer, mask) if self.track_live else None
+        groups = self._group_checks.get(layer)
+        if groups is None:
+            groups = self._group_checks[layer] = partial(self._groups_used, layer)
         return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live, groups)
 
-    def _step_span(self, step: Step) -> tuple[Step, torch.Tensor | None, bool, torch.Tensor | None]:
+    def _step_span(self, step: Step) -> tuple[Step, torch.Tensor | None, bool, tuple[torch.Tensor, ...] | None]:
         """(step, its positions' mask [N] or None when the step is not replayed, whether all are recorded, and for a
-        small forward every layer's indices as int64 [L, N, K], converted in one go), after checking that the routes
+        small forward each layer's indices as int64 [N, K], converted in one go), after checking that the routes
         cover the step."""
         r = self.routes
         if step.batch != r.batch_size:
@@ -108,7 +123,7 @@ class RouteReplayer:
         every_layer = None
         L, K = len(r.layers), r.indices.shape[-1]
         if step.tokens * L * K <= SMALL_FORWARD:  # one conversion per forward rather than one per router call
-            every_layer = r.indices[:, step.start : end].movedim(2, 0).reshape(L, step.tokens, K).long()
+            every_layer = r.indices[:, step.start : end].movedim(2, 0).reshape(L, step.tokens, K).long().unbind(0)
         return step, mask, self._gaps[end] == self._gaps[step.start], every_layer
 
     def _groups_used(self, layer: int, G: int) -> int:

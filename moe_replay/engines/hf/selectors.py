@@ -178,8 +178,11 @@ class GroupTopK(Selector):
 def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan, observe: bool = False) -> Any:
     """`topk(x)` that returns the plan's experts with values gathered from `x` (live where the plan's mask is False);
     with `observe`, hands the live and the forced picks to `plan.on_live`."""
-    shape = (*x.shape[:-1], plan.top_k)
-    idx = plan.indices.to(x.device).reshape(shape)
+    idx = plan.indices  # [N, K]
+    if idx.device != x.device:
+        idx = idx.to(x.device)
+    if x.dim() != 2:
+        idx = idx.reshape(*x.shape[:-1], plan.top_k)
     live = None
     if not plan.all_recorded:
         live = func(*args, **kwargs)[1]

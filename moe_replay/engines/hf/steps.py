@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,13 +21,27 @@ class Step:
     batch: int
     start: int
     length: int
-    real: torch.Tensor
+    attention: torch.Tensor | None  # the forward's own attention mask [B, length], if it had one
+    device: torch.device
     grad: bool | None = None
     synced: bool = False  # inside generate(synced_gpus=True)
+    _real: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.length
+
+    @property
+    def real(self) -> torch.Tensor:
+        """bool [B, length]: False at padding. Made on first use (a replayed forward never needs it; a recorder asks
+        during the forward), as a copy, so that a mask buffer the caller reuses cannot change it afterwards."""
+        if self._real is None:
+            if self.attention is not None:
+                self._real = self.attention.to(torch.bool, copy=True)
+            else:
+                self._real = torch.ones(self.batch, self.length, dtype=torch.bool, device=self.device)
+            self.attention = None
+        return self._real
 
 
 def _lookup(bound: dict[str, Any], name: str) -> Any:
@@ -88,10 +102,11 @@ class StepTracker:
         self.cursor, self.batch = start + t, B
         mask = _lookup(bound, "attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B and mask.shape[1] >= t:
-            real = mask[:, -t:].to(torch.bool)
+            mask = mask[:, -t:]
         else:
-            real = torch.ones(B, t, dtype=torch.bool, device=tokens.device)
-        self.current = Step(self.stream, B, start, t, real, grad=True if torch.is_grad_enabled() else None)
+            mask = None
+        grad = True if torch.is_grad_enabled() else None
+        self.current = Step(self.stream, B, start, t, mask, tokens.device, grad=grad)
         return self.current
 
     def _arguments(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

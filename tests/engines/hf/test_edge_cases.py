@@ -184,3 +184,20 @@ def test_router_facts_live_on_the_model_and_outlive_the_hub(qwen):
     other = tiny_qwen3_moe()
     assert router_facts(other) == {}  # another model of the same classes learns its own
     assert recorded(other, ids, mask).equal(first)
+
+
+def test_a_reused_mask_buffer_does_not_change_what_was_recorded(qwen):
+    """The padding mask of a recorded forward is the one it ran with, even if the caller's buffer (long or bool)
+    changes afterwards: routes are built after the context closes."""
+    ids = torch.randint(PAD + 1, qwen.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.long, torch.bool):
+        buffer = torch.ones(2, 6, dtype=dtype)
+        buffer[0, :2] = 0  # left padding of row 0
+        with torch.no_grad(), record_routes(qwen) as rec:
+            qwen(ids, attention_mask=buffer)
+            buffer.fill_(1)
+            qwen(ids, attention_mask=buffer)
+            buffer[1, :3] = 0
+        first, second = rec.batches
+        assert first.mask.tolist() == [[False, False, True, True, True, True], [True] * 6]
+        assert second.mask.all()
