@@ -193,11 +193,14 @@ class RouterHub:
                 self._at_router(call, args, kwargs)
             fast = call.plan is None and not call.recompute and self._fast_record(i)
             intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
+            redirected = None
+            if intercept and is_router and self.facts[i].redirect.get(self.sites[i].router.training):
+                redirected = self._redirects.forward(self.sites[i].router, inner)
+            if intercept and not call.selectors:  # made only for a call that intercepts (not a fast recording)
+                makers = self.selectors[i]  # a redirected top-k goes to the plain one, the last
+                call.selectors = [makers[-1](call)] if redirected is not None else [make(call) for make in makers]
             self._in_router[i] += is_router
             try:
-                redirected = None
-                if intercept and is_router and self.facts[i].redirect.get(self.sites[i].router.training):
-                    redirected = self._redirects.forward(self.sites[i].router, inner)
                 if redirected is not None:  # only the router's own torch.topk is intercepted
                     call.intercepting = True
                     out = self._redirects.run(call, redirected, self.sites[i].router, args, kwargs)
@@ -242,7 +245,6 @@ class RouterHub:
         call = RouterCall(i, site, name, step, plan, record=bool(self.recorders))
         if site.router.training not in self.facts[i].redirect:  # still to learn whether its top-k can be redirected
             call.topk_sites = []
-        call.selectors = [make(call) for make in self.selectors[i]]
         return call
 
     def _at_router(self, call: RouterCall, args: tuple, kwargs: dict) -> None:
