@@ -8,12 +8,13 @@ Hypotheses (issue 16, experiment 3): GSPO's clip fraction falls with answer leng
 GRPO's stays near 1%; and whether replay (R2: the routes of the old-log-prob forward) matters more as answers
 lengthen, read from the paired gap to GRPO of the same length and seed.
 
-Setting: the tiny Qwen3-MoE (4 layers, 16 experts, top-2) warm-started on each length's running sums (one warm start
-per length and seed, shared by the arms), 16 prompts x 8 answers, μ = 4 minibatches, lr 1e-4, a 128-prompt held-out
-set evaluated every 20 steps.
+Setting: the tiny Qwen3-MoE (4 layers, 16 experts, top-2) warm-started on each length's running sums (up to 200
+steps, one warm start per length and seed, shared by the arms), 8 prompts x 8 answers per step (half the other
+experiments' batch: a 64-token step costs about 16 times a 4-token one), μ = 4 minibatches, lr 1e-4, 50 steps, a
+128-prompt held-out set evaluated every 10 steps.
 
     python experiments/long_answers.py --preset quick   # 4 and 16 tokens, 1 seed, 1 step: a smoke test
-    python experiments/long_answers.py --preset full    # 3 lengths x 3 arms x 3 seeds x 60 steps (resumable)
+    python experiments/long_answers.py --preset full    # 3 lengths x 3 arms x 3 seeds x 50 steps (resumable)
 
 Writes <out>/long_answers_steps.csv (every step of every run), long_answers_summary.csv and long_answers.png.
 """
@@ -46,9 +47,9 @@ PRESETS = {
     "full": {
         "lengths": [4, 16, 64],
         "seeds": [0, 1, 2],
-        "steps": 60,
-        "warm_start_steps": 300,
-        "train": {"heldout_prompts": 128, "eval_every": 20},
+        "steps": 50,
+        "warm_start_steps": 200,
+        "train": {"prompts": 8, "group_size": 8, "heldout_prompts": 128, "eval_every": 10},
     },
 }
 
