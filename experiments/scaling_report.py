@@ -15,6 +15,7 @@ SHAPE = ["setting", "varies", "layers", "experts", "top_k", "answer_len"]
 METRICS = {"share_var": "log-ratio variance", "share_clip": "tokens outside the clip band"}
 TARGET_LAYERS = 48  # the GSPO paper's Qwen3-30B-A3B: 48 layers, 128 experts, top-8
 WIDE = "128 experts, top-8"
+AXES = ("base", "depth", "experts", "length")
 
 
 def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
@@ -24,7 +25,9 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     out = out.join(g[["lr", "calibrated_kl"]].first()).reset_index()
     out["share_var"] = 1 - out.var_replay / out.var_live
     out["share_clip"] = 1 - out.clip_replay / out.clip_live.where(out.clip_live > 0)
-    return out
+    axis = out.varies.map({v: k for k, v in enumerate(AXES)})  # base, then each axis in its own order
+    order = pd.DataFrame({"a": axis, "l": out.layers, "e": out.experts, "n": out.answer_len, "s": out.seed})
+    return out.loc[order.sort_values(list(order.columns)).index].reset_index(drop=True)
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
