@@ -273,14 +273,13 @@ class RouterHub:
         """Close a router call: check its replay, learn facts about its router class, record its selection."""
         i, router = call.index, call.site.router
         facts = self.facts[i]
-        active = call.active
-        if call.plan is None and call.record and not active and call.router_out is not None:
+        if call.plan is None and call.record and call.router_out is not None and not call.active:
             j = facts.output_index.get(router.training)
             if j is not None:  # recorded from the router's output: its element j is the top-k's indices
                 idx = _outputs(call.router_out)[j]
                 self._record(call, idx.reshape(call.step.batch, call.step.length, idx.shape[-1]))
                 return
-        if active and not self.router_only[i]:
+        if not self.router_only[i] and call.active:
             self.router_only[i] = facts.topk_in_router = not call.outside_router
         if call.topk_sites and self.router_only[i] and router.training not in facts.redirect:
             plain = bool(call.selectors) and type(call.selectors[-1]) is TopK  # a redirected top-k goes to it
