@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +16,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_quick(script: str, tmp_path: Path) -> Path:
-    """Run `experiments/<script> --preset quick` writing into tmp_path; returns the output folder."""
-    cmd = [sys.executable, str(ROOT / "experiments" / script), "--preset", "quick", "--quiet"]
-    cmd += ["--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
+def run_quick(script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch | None = None) -> Path:
+    """Run `experiments/<script> --preset quick` writing into tmp_path; returns the output folder. With `monkeypatch`
+    the script runs in this process as `__main__` (what `python <script>` runs, without another interpreter start-up
+    and torch import: seconds per script), else as a subprocess."""
+    args = ["--preset", "quick", "--quiet", "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
+    if monkeypatch is None:
+        cmd = [sys.executable, str(ROOT / "experiments" / script), *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+    else:
+        monkeypatch.chdir(ROOT)
+        monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+        monkeypatch.setattr(sys, "argv", [script, *args])
+        runpy.run_path(str(ROOT / "experiments" / script), run_name="__main__")
     return tmp_path / "out"
 
 
@@ -38,8 +47,8 @@ def test_compare_quick_preset(tmp_path):
     assert image.shape[0] > 500 and image.shape[1] > 800
 
 
-def test_sweep_quick_preset(tmp_path):
-    run_quick("sweep.py", tmp_path)
+def test_sweep_quick_preset(tmp_path, monkeypatch):
+    run_quick("sweep.py", tmp_path, monkeypatch)
     steps = pd.read_csv(tmp_path / "out" / "sweep_steps.csv")
     assert set(steps.setting) == {"base", "bf16"} and set(steps.arm) == {"GRPO", "GRPO + replay"}
     summary = pd.read_csv(tmp_path / "out" / "sweep_summary.csv").set_index("setting")
@@ -48,8 +57,8 @@ def test_sweep_quick_preset(tmp_path):
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 10_000
 
 
-def test_expert_change_quick_preset(tmp_path):
-    out = run_quick("expert_change.py", tmp_path)
+def test_expert_change_quick_preset(tmp_path, monkeypatch):
+    out = run_quick("expert_change.py", tmp_path, monkeypatch)
     frame = pd.read_csv(out / "expert_change.csv")
     assert list(frame.columns) == [
         "variant", "layers", "experts", "top_k", "seed", "lr", "update", "layer", "layer_name", "fraction",
@@ -64,9 +73,9 @@ def test_expert_change_quick_preset(tmp_path):
     assert (tmp_path / "runs" / "init_L4_E16_k2_w10_seed0" / "config.json").exists()  # the warm start, cached
 
 
-def test_mechanism_quick_preset(tmp_path):
+def test_mechanism_quick_preset(tmp_path, monkeypatch):
     """Runs without --init on a fresh checkout: the warm start is made under --runs."""
-    out = run_quick("mechanism.py", tmp_path)
+    out = run_quick("mechanism.py", tmp_path, monkeypatch)
     frame = pd.read_csv(out / "mechanism.csv")
     assert list(frame.columns) == [
         "lr", "seed", "step", "minibatch", "view", "var_log_ratio", "p99_abs_log_ratio", "outside_clip",
@@ -81,8 +90,8 @@ def test_mechanism_quick_preset(tmp_path):
     assert image.shape[0] > 300 and image.shape[1] > 800
 
 
-def test_mismatch_quick_preset(tmp_path):
-    run_quick("mismatch.py", tmp_path)
+def test_mismatch_quick_preset(tmp_path, monkeypatch):
+    run_quick("mismatch.py", tmp_path, monkeypatch)
     steps = pd.read_csv(tmp_path / "out" / "mismatch_steps.csv")
     assert steps.arm.nunique() == 10 and set(steps.source) == {"trainer", "sampler"}
     assert steps["eval/sampled/reward"].between(0, 1).all() and (steps["mismatch/fraction"] > 0).all()
@@ -92,8 +101,8 @@ def test_mismatch_quick_preset(tmp_path):
     assert image.shape[0] > 300 and image.shape[1] > 800
 
 
-def test_stress_quick_preset(tmp_path):
-    run_quick("stress.py", tmp_path)
+def test_stress_quick_preset(tmp_path, monkeypatch):
+    run_quick("stress.py", tmp_path, monkeypatch)
     steps = pd.read_csv(tmp_path / "out" / "stress_steps.csv")
     assert set(steps.setting) == {"stress", "stress − lr 1e-3"}
     assert set(steps[steps.setting == "stress"].arm) == {"GRPO", "GRPO + R3", "GRPO + R2"}
@@ -108,8 +117,8 @@ def test_stress_quick_preset(tmp_path):
     assert image.shape[0] > 300 and image.shape[1] > 500
 
 
-def test_scaling_quick_preset(tmp_path):
-    out = run_quick("scaling.py", tmp_path)
+def test_scaling_quick_preset(tmp_path, monkeypatch):
+    out = run_quick("scaling.py", tmp_path, monkeypatch)
     steps = pd.read_csv(out / "scaling_steps.csv")
     assert set(steps.setting) == {"base", "8 layers"} and set(steps.minibatch) == {1}  # μ 2: one off-policy minibatch
     assert (steps.var_live >= 0).all() and steps.kl_update.ge(0).all() and steps.lr.gt(0).all()
@@ -124,8 +133,8 @@ def test_scaling_quick_preset(tmp_path):
     assert mpimg.imread(out / "scaling.png").shape[1] > 1000
 
 
-def test_long_answers_quick_preset(tmp_path):
-    out = run_quick("long_answers.py", tmp_path)
+def test_long_answers_quick_preset(tmp_path, monkeypatch):
+    out = run_quick("long_answers.py", tmp_path, monkeypatch)
     steps = pd.read_csv(out / "long_answers_steps.csv")
     assert set(steps.answer_len) == {4, 16} and set(steps.arm) == {"GRPO", "GRPO + R2", "GSPO"}
     summary = pd.read_csv(out / "long_answers_summary.csv").set_index(["answer_len", "arm"])
