@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -88,6 +88,29 @@ class RouterCall:
 
     def _seen(self) -> str:
         return "; ".join(d for d in (s.describe() for s in self.selectors) if d)
+
+
+class Recorder(Protocol):
+    def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
+
+    def on_generate(
+        self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
+    ) -> None: ...
+
+
+class Replayer(Protocol):
+    def plan(self, layer: str, step: Step) -> Plan | None: ...
+
+
+def outputs(output: Any) -> tuple | list:
+    """A module's output as a sequence (a single tensor becomes a 1-tuple)."""
+    return output if isinstance(output, tuple | list) else (output,)
+
+
+def num_scores(output: Any, index: int) -> int:
+    """E: the last dim of the router logits, at `index` in the router's output (registered by the family)."""
+    logits = output[index] if isinstance(output, tuple | list) else output
+    return int(logits.shape[-1])
 
 
 def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict, in_router: Callable[[], bool]) -> Any:

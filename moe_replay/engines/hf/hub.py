@@ -6,63 +6,56 @@ under activation checkpointing, queues that plan for the recompute in the backwa
 (selectors.py) see the call's torch functions. When the call ends the replay is checked and the selection recorded.
 
 One hub per model holds the hooks for all active contexts, so that a recording nested in a replay sees the replayed
-experts; it is stored on the model and removed with the last context.
+experts; its hooks are removed with the last context. The hub itself (and the methods it patched) is kept with the
+model's layout for the next context, which re-installs the same wrappers while what they wrap is unchanged: a context
+per minibatch or log-prob chunk then costs a few dictionary writes, not a rebuild. A copied or saved model carries no
+hub.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...errors import NestedContextError, ReplayError
 from ..autograd import in_backward
-from .call import InterceptMode, Plan, RouterCall
+from .call import InterceptMode, Recorder, Replayer, RouterCall, num_scores, outputs
 from .discover import RouterSite
 from .facts import facts_for, signature_cache
 from .generation import PACKED_GENERATION, check_generation, eos_token_ids, refuse_packed, setting
-from .layout import model_layout
-from .patch import MARKER, Patches, patched_by
-from .recompute import (
-    Pending,
-    RecomputeQueue,
-    fingerprint,
-    will_be_recomputed,
-)
+from .layout import Layout, model_layout
+from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
+from .recompute import Pending, RecomputeQueue, fingerprint, will_be_recomputed
 from .redirect import Redirects, redirectable
 from .selectors import TopK, selectors_for
 from .steps import Step, StepTracker
 
 
-class Recorder(Protocol):
-    def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
-
-    def on_generate(
-        self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
-    ) -> None: ...
-
-
-class Replayer(Protocol):
-    def plan(self, layer: str, step: Step) -> Plan | None: ...
-
-
 class RouterHub:
     """Hooks on one model, shared by every active record/replay context on it."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, layout: Layout) -> None:
         self.model = model
-        self.layout = layout = model_layout(model)  # kept on the model between contexts while its tree holds
+        self.layout = layout  # kept on the model between contexts while its module tree holds, and this hub with it
         self.sites: list[RouterSite] = list(layout.sites)
-        self.tracker = StepTracker(signature_cache(model))
+        self.facts = [facts_for(model, s.router) for s in self.sites]
+        self.selectors = [selectors_for(s.router) for s in self.sites]
+        self._tracked: list[nn.Module] = list(layout.tracked)
+        self._redirects = Redirects()  # routers whose own torch.topk alone is intercepted
+        self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
+        self._reset()
+
+    def _reset(self) -> None:
+        """The state of one stretch of open contexts: a kept hub starts each one afresh."""
+        self.tracker = StepTracker(signature_cache(self.model))
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
         self.pending = [RecomputeQueue(s.name) for s in self.sites]
-        self.facts = [facts_for(model, s.router) for s in self.sites]
-        self.selectors = [selectors_for(s.router) for s in self.sites]
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
@@ -70,8 +63,12 @@ class RouterHub:
         self._patches = Patches(owner=self)
         self._generating = 0
         self._synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
-        self._tracked: list[nn.Module] = list(layout.tracked)
-        self._redirects = Redirects()  # routers whose own torch.topk alone is intercepted
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None  # a copied model (its layout, with this hub kept in it) makes its own
+
+    def __reduce__(self) -> tuple:
+        return (forgotten, ())  # nor is a hub pickled with a saved model
 
     # ---- lifetime ------------------------------------------------------------------------------------------
     @classmethod
@@ -79,10 +76,15 @@ class RouterHub:
         """The model's hub (installed on first use), with `handler` added as a recorder or a replayer."""
         hub = model.__dict__.get(MARKER)
         if hub is not None and (hub.model is not model or not len(hub._patches)):
-            _drop_stale(model, hub)  # left on a shallow copy (copy.copy) of a hooked model
+            drop_stale(model, hub)  # left on a shallow copy (copy.copy) of a hooked model
             hub = None
         if hub is None:
-            hub = cls(model)
+            layout = model_layout(model)
+            hub = layout.kept.get("hub")
+            if isinstance(hub, cls) and hub.model is model:
+                hub._reset()
+            else:
+                hub = layout.kept["hub"] = cls(model, layout)
             for site in hub.sites:
                 other = patched_by(site.router.__dict__.get("forward"))
                 if other is not None:
@@ -114,19 +116,18 @@ class RouterHub:
 
     def _install(self) -> None:
         self._patches.set(self.model, MARKER, self)
+        patch = partial(self._patches.patch, kept=self._wrappers)
         for module in self._tracked:
-            self._patches.patch(module, "forward", self._step_wrapper)
+            patch(module, "forward", self._step_wrapper)
             if callable(getattr(module, "generate", None)):
-                self._patches.patch(module, "generate", self._generate_wrapper)
+                patch(module, "generate", self._generate_wrapper)
             for name in PACKED_GENERATION:
                 if callable(getattr(module, name, None)):
-                    self._patches.patch(module, name, partial(refuse_packed, name))
+                    patch(module, name, partial(refuse_packed, name))
         for i, site in enumerate(self.sites):
             if not self.router_only[i]:  # a router class known to select inside itself needs no block wrapper
-                self._patches.patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
-            self._patches.patch(
-                site.router, "forward", lambda inner, i=i, s=site: self._scope_wrapper(i, inner, s.logits_index)
-            )
+                patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
+            patch(site.router, "forward", lambda inner, i=i, s=site: self._scope_wrapper(i, inner, s.logits_index))
 
     # ---- wrappers ------------------------------------------------------------------------------------------
     def _step_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -211,7 +212,7 @@ class RouterHub:
                 else:
                     out = inner(*args, **kwargs)
                 if is_router:
-                    call.num_experts = _num_scores(out, logits_index)
+                    call.num_experts = num_scores(out, logits_index)
                     call.router_out = out
             finally:
                 self._in_router[i] -= is_router
@@ -276,7 +277,7 @@ class RouterHub:
         if call.plan is None and call.record and call.router_out is not None and not call.active:
             j = facts.output_index.get(router.training)
             if j is not None:  # recorded from the router's output: its element j is the top-k's indices
-                idx = _outputs(call.router_out)[j]
+                idx = outputs(call.router_out)[j]
                 self._record(call, idx.reshape(call.step.batch, call.step.length, idx.shape[-1]))
                 return
         if not self.router_only[i] and call.active:
@@ -290,29 +291,10 @@ class RouterHub:
         idx, own_output = call.selected()
         if own_output and call.router_out is not None and router.training not in facts.output_index:
             facts.output_index[router.training] = next(
-                (j for j, o in enumerate(_outputs(call.router_out)) if o is idx), None
+                (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
             )
         self._record(call, idx.reshape(call.step.batch, call.step.length, idx.shape[-1]))
 
     def _record(self, call: RouterCall, indices: torch.Tensor) -> None:
         for rec in self.recorders:
             rec.record(call.layer, call.step, indices, call.num_experts)
-
-
-def _drop_stale(model: nn.Module, hub: RouterHub) -> None:
-    """Remove what a hub that is not this model's (a shallow copy shares the original's instance attributes) left in
-    `model.__dict__`: its marker, patched methods and copy hook."""
-    for attr, value in list(model.__dict__.items()):
-        if attr in (MARKER, "__deepcopy__") or patched_by(value) is hub:
-            del model.__dict__[attr]
-
-
-def _outputs(output: Any) -> tuple | list:
-    """A module's output as a sequence (a single tensor becomes a 1-tuple)."""
-    return output if isinstance(output, tuple | list) else (output,)
-
-
-def _num_scores(output: Any, index: int) -> int:
-    """E: the last dim of the router logits, at `index` in the router's output (registered by the family)."""
-    logits = output[index] if isinstance(output, tuple | list) else output
-    return int(logits.shape[-1])

@@ -2,7 +2,7 @@
 
 An RL loop opens a context per minibatch or per log-prob chunk; walking every module each time costs more than the
 router calls of a small forward. The routers, their scopes and the tracked models are kept on the model with a
-stamp: every module on the path from the model to a router (or to a tracked model), with its children. A context
+stamp: every module on the path from the model to a router (or to a tracked model), with its named children. A context
 reuses them only if every path still leads to the same modules and every module on it still has the same children,
 so a router added, removed or replaced anywhere along those paths (a new layer, a dense layer swapped for an MoE
 one, a PEFT or checkpoint wrapper) is found by a fresh walk.
@@ -17,7 +17,7 @@ from torch import nn
 from .discover import RouterSite, find_routers
 
 ATTR = "_moe_replay_layout"
-Stamp = tuple[tuple[nn.Module, tuple[nn.Module | None, ...]], ...]  # (module, its children) along the paths
+Stamp = tuple[tuple[nn.Module, tuple[tuple[str, nn.Module | None], ...]], ...]  # (module, its named children)
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class Layout:
     tracked: tuple[nn.Module, ...]
     paths: tuple[str, ...]  # the routers' names, then the tracked models' (the model itself excluded)
     stamp: Stamp
-    columns: dict = field(default_factory=dict, compare=False)  # routes' layers -> match_layers' result, per layout
+    # kept with the layout while it holds: the model's hub ("hub") and match_layers' results (per routes' layers)
+    kept: dict = field(default_factory=dict, compare=False)
 
 
 def model_layout(model: nn.Module) -> Layout:
@@ -53,17 +54,14 @@ def model_layout(model: nn.Module) -> Layout:
 
 
 def _holds(model: nn.Module, layout: Layout) -> bool:
-    """Whether the paths still lead to the same modules, through the same modules with the same children."""
-    targets = [s.router for s in layout.sites] + list(layout.tracked[1:])
-    stamp = _stamp(model, layout.paths, targets)
-    if len(stamp) != len(layout.stamp):
+    """Whether every module of the stamp still has the same children under the same names (the model first): then
+    every path leads, step by step, through the same modules to the same targets."""
+    stamp = layout.stamp
+    if not stamp or stamp[0][0] is not model:
         return False
-    for (a, x), (b, y) in zip(stamp, layout.stamp, strict=True):  # loops, not generators: this runs per context
-        if a is not b or len(x) != len(y):
+    for module, children in stamp:  # plain loop, tuple compare in C: this runs per context
+        if tuple(module._modules.items()) != children:
             return False
-        for c, d in zip(x, y, strict=True):
-            if c is not d:
-                return False
     return True
 
 
@@ -85,8 +83,8 @@ def _tracked(
 def _stamp(model: nn.Module, paths: tuple[str, ...], targets: list[nn.Module]) -> Stamp:
     """Each module on the paths (the model first, each once) with its children; () if a path is broken or does not
     end at its target."""
-    seen: dict[int, tuple[nn.Module, tuple[nn.Module | None, ...]]] = {
-        id(model): (model, tuple(model._modules.values()))
+    seen: dict[int, tuple[nn.Module, tuple[tuple[str, nn.Module | None], ...]]] = {
+        id(model): (model, tuple(model._modules.items()))
     }
     for path, target in zip(paths, targets, strict=True):
         module = model
@@ -95,7 +93,7 @@ def _stamp(model: nn.Module, paths: tuple[str, ...], targets: list[nn.Module]) -
             if module is None:
                 return ()
             if id(module) not in seen:
-                seen[id(module)] = (module, tuple(module._modules.values()))
+                seen[id(module)] = (module, tuple(module._modules.items()))
         if module is not target:
             return ()
     return tuple(seen.values())

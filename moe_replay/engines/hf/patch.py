@@ -63,8 +63,14 @@ class Patches:
             self._copyable.add(id(module))
             self.set(module, "__deepcopy__", functools.partial(self._deepcopy, module))
 
-    def patch(self, module: nn.Module, attr: str, make: Callable[[Any], Any]) -> None:
-        """Set `module.<attr>` to `make(current method)`, marked with the owner; restored by `undo`."""
+    def patch(self, module: nn.Module, attr: str, make: Callable[[Any], Any], kept: dict | None = None) -> None:
+        """Set `module.<attr>` to `make(current method)`, marked with the owner; restored by `undo`. With `kept`
+        (a dict the owner keeps), the wrapper made for the same module and the same method is reused."""
+        own, shared = module.__dict__.get(attr), getattr(type(module), attr, None)
+        found = kept.get((id(module), attr)) if kept is not None else None
+        if found is not None and found[0] is module and found[1] is own and found[2] is shared:
+            self.set(module, attr, found[3])  # what it wraps is what it wrapped: the module's own or class method
+            return
         inner = getattr(module, attr)
         wrapper = make(inner)
         # what functools.wraps would copy that anything reads (inspect.signature follows __wrapped__), set directly:
@@ -72,6 +78,8 @@ class Patches:
         wrapper.__wrapped__, wrapper.__doc__ = inner, getattr(inner, "__doc__", None)
         wrapper.__name__ = wrapper.__qualname__ = getattr(inner, "__name__", attr)
         setattr(wrapper, MARKER, self.owner)
+        if kept is not None:
+            kept[id(module), attr] = (module, own, shared, wrapper)
         self.set(module, attr, wrapper)
 
     def undo(self) -> None:
@@ -99,3 +107,16 @@ class Patches:
 def patched_by(method: Any) -> object | None:
     """The owner of the patch `method` is, or None for a method that is not one of ours."""
     return getattr(method, MARKER, None)
+
+
+def forgotten() -> None:
+    """What a pickled hub loads as (a hub holds closures over a live model: it is never saved)."""
+    return None
+
+
+def drop_stale(model: nn.Module, owner: object) -> None:
+    """Remove what an owner that is not this model's (a shallow copy shares the original's instance attributes) left
+    in `model.__dict__`: its marker, patched methods and copy hook."""
+    for attr, value in list(model.__dict__.items()):
+        if attr in (MARKER, "__deepcopy__") or patched_by(value) is owner:
+            del model.__dict__[attr]

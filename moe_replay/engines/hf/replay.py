@@ -20,8 +20,8 @@ SMALL_FORWARD = 1 << 20  # up to this many (token, layer, expert) entries, a for
 def columns_for(hub: RouterHub, layers: tuple[LayerInfo, ...], owner: str) -> dict[str, int]:
     """`match_layers` of the hub's routers against `layers`, kept with the model's layout (a context per minibatch
     asks the same question each time)."""
-    kept = hub.layout.columns
-    key = (layers, owner)
+    kept = hub.layout.kept
+    key = ("columns", layers, owner)
     found = kept.get(key)
     if found is None:
         found = kept[key] = match_layers([s.name for s in hub.sites], layers, owner)

@@ -9,7 +9,7 @@ import torch
 from families import build_tiny_model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from moe_replay import record_routes
+from moe_replay import record_routes, replay_routes
 from moe_replay.engines.hf.layout import model_layout
 from moe_replay.layers import plain_name
 
@@ -55,3 +55,47 @@ def test_layout_is_kept_and_found_again_when_the_tree_changes():
     assert all(
         a.router is not b.router for a, b in zip(model_layout(clone).sites, model_layout(model).sites, strict=True)
     )
+
+
+def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_saved(tmp_path):
+    """A context per minibatch reuses the hub and its patched methods (no hooks stay between contexts); a method the
+    user replaced in between is wrapped afresh; a deep copy or a saved model carries no hub."""
+    model = build_tiny_model("qwen3_moe").eval()
+    ids = torch.randint(5, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids)
+    router = model_layout(model).sites[0].router
+    hub = model_layout(model).kept["hub"]
+    assert "forward" not in router.__dict__  # unhooked once the context closed
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        wrapper = router.__dict__["forward"]
+        assert model_layout(model).kept["hub"] is hub
+        model(ids)
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        assert router.__dict__["forward"] is wrapper  # the same wrapper, reused
+        model(ids)
+
+    calls = []
+    plain = router.forward
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    router.forward = counted  # the user's own instance method, set between contexts
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        assert router.__dict__["forward"] is not wrapper
+        model(ids)
+    assert calls == [1] and router.__dict__["forward"] is counted
+    del router.forward
+
+    clone = copy.deepcopy(model)
+    assert model_layout(clone).kept.get("hub") is None
+    with torch.no_grad(), record_routes(clone) as again:
+        clone(ids)
+    assert torch.equal(again.routes.indices, rec.routes.indices) and model_layout(clone).kept["hub"] is not hub
+    torch.save(model, tmp_path / "model.pt")  # a hub (closures) would not pickle
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad(), record_routes(loaded) as third:
+        loaded(ids)
+    assert torch.equal(third.routes.indices, rec.routes.indices)
