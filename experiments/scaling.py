@@ -13,7 +13,7 @@ Hypothesis (issue 16, experiment 2): routing's share passes 50% before the paper
 drift alone cannot explain GRPO's failure there.
 
     python experiments/scaling.py --preset quick   # base and 8 layers, 1 seed, a few steps: a smoke test
-    python experiments/scaling.py --preset full    # 8 settings x 3 seeds (2 at 32 layers); resumable, about 2 hours
+    python experiments/scaling.py --preset full    # 8 settings x 3 seeds (2 at 32 layers); resumable, about 100 minutes
 
 Writes <out>/scaling_steps.csv (one row per measured minibatch), scaling_summary.csv (per setting, mean ± sd over
 seeds), scaling_fit.csv (the extrapolation) and scaling.png.

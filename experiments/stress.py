@@ -14,7 +14,7 @@ where the moved share is large (not where it is small), and their counterfactual
 the replayed one.
 
     python experiments/stress.py --preset quick   # 2 settings, 1 seed, a few steps: a smoke test
-    python experiments/stress.py --preset full    # 5 settings x 2-3 arms x 3 seeds x 80 steps (resumable; ~1.5 hours)
+    python experiments/stress.py --preset full    # 5 settings x 2-3 arms x 3 seeds x 80 steps (resumable; ~2 hours)
 
 Writes <out>/stress_steps.csv (every step of every run), stress_summary.csv and stress.png.
 """
