@@ -1,4 +1,4 @@
-"""Does answer length change the picture? GRPO, GRPO + R2 and GSPO on running sums with 4-, 16- and 64-token answers.
+"""Does answer length change the picture? GRPO, GRPO + R2 and GSPO on pair sums with 4-, 16- and 64-token answers.
 
 The GSPO paper's answers run to thousands of tokens; ours (compare.py) had 4. GSPO's sequence ratio is the geometric
 mean of its token ratios, so it should clip whole answers more often as they lengthen (the paper reports ~15% of
@@ -8,10 +8,12 @@ Hypotheses (issue 16, experiment 3): GSPO's clip fraction falls with answer leng
 GRPO's stays near 1%; and whether replay (R2: the routes of the old-log-prob forward) matters more as answers
 lengthen, read from the paired gap to GRPO of the same length and seed.
 
-Setting: the tiny Qwen3-MoE (4 layers, 16 experts, top-2) warm-started on each length's running sums (up to 200
-steps, one warm start per length and seed, shared by the arms), 8 prompts x 8 answers per step (half the other
-experiments' batch: a 64-token step costs about 16 times a 4-token one), μ = 4 minibatches, lr 1e-4, 50 steps, a
-128-prompt held-out set evaluated every 10 steps.
+Setting: the tiny Qwen3-MoE (4 layers, 16 experts, top-2) warm-started on each length's pair sums (each answer digit
+is a prompt digit plus the one before it, mod 10; up to 600 steps, stopping at sampled reward 0.35; one warm start
+per length and seed, shared by the arms; running sums, whose every answer digit depends on all the digits before it,
+stayed at chance from 16 tokens on). Then 8 prompts x 8 answers per step (half the other experiments' batch: a
+64-token step costs about 16 times a 4-token one), μ = 4 minibatches, lr 1e-4, 50 steps, a 128-prompt held-out set
+evaluated every 10 steps.
 
     python experiments/long_answers.py --preset quick   # 4 and 16 tokens, 1 seed, 1 step: a smoke test
     python experiments/long_answers.py --preset full    # 3 lengths x 3 arms x 3 seeds x 50 steps (resumable)
@@ -36,6 +38,7 @@ ARMS = {
     "GSPO": {"importance_sampling_level": "sequence", "replay": "off"},
 }
 HELDOUT = "eval/sampled/reward"
+TASK = "pair_sum"
 PRESETS = {
     "quick": {
         "lengths": [4, 16],
@@ -48,7 +51,7 @@ PRESETS = {
         "lengths": [4, 16, 64],
         "seeds": [0, 1, 2],
         "steps": 50,
-        "warm_start_steps": 200,
+        "warm_start_steps": 600,
         "train": {"prompts": 8, "group_size": 8, "heldout_prompts": 128, "eval_every": 10},
     },
 }
@@ -60,14 +63,14 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
     frames = []
     for seed in p["seeds"]:
         for length in p["lengths"]:
-            init = runs / f"init_running_sum{length}_seed{seed}"  # shared by the arms
+            init = runs / f"init_{TASK}{length}_seed{seed}"  # shared by the arms
             for arm, settings in ARMS.items():
                 tag = arm.lower().replace(" + ", "_").replace(" ", "_")
                 cfg = TrainConfig(
                     output=str(runs / f"{tag}_len{length}_seed{seed}"),
                     init=str(init),
                     seed=seed,
-                    task="running_sum",
+                    task=TASK,
                     task_size=length,
                     steps=p["steps"],
                     warm_start_steps=p["warm_start_steps"],
@@ -146,12 +149,12 @@ def figure(frame: pd.DataFrame) -> Figure:
                 dots = mine.loc[mine.answer_len == length, col] * scale
                 ax.plot([x[i]] * len(dots), dots, ".", color=color, alpha=0.35)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-        ax.set_xlabel("answer tokens (running sums)")
+        ax.set_xlabel(f"answer tokens ({TASK.replace('_', ' ')}s)")
         ax.set_ylabel(label)
         ax.legend(fontsize="x-small")
     axes[2].axhline(0, color="gray", lw=0.8)
     n = frame.seed.nunique()
-    fig.suptitle(f"Longer answers: GRPO, GRPO + R2 and GSPO on running sums ({n} seeds, mean ± sd; dots are seeds)")
+    fig.suptitle(f"Longer answers: GRPO, GRPO + R2 and GSPO on pair sums ({n} seeds, mean ± sd; dots are seeds)")
     return fig
 
 

@@ -12,6 +12,7 @@ import torch
 PAD, BOS, EOS = 0, 1, 2
 SYMBOLS = "0123456789+=,>:"
 VOCAB = 3 + len(SYMBOLS)  # pad, bos, eos, then the symbols
+KINDS = ("addition", "sort", "running_sum", "pair_sum")
 
 
 def encode(text: str) -> list[int]:
@@ -41,11 +42,15 @@ def decode(ids: list[int] | torch.Tensor) -> str:
 
 @dataclass(frozen=True)
 class Task:
-    """A verifiable task: `kind` in {"addition", "sort", "running_sum"}, `size` digits per operand / list length.
+    """A verifiable task: `kind` in {"addition", "sort", "running_sum", "pair_sum"}, `size` digits per operand / list
+    length.
 
     - addition: "a+b=" with `size`-digit operands (zero-padded), answer a+b in `size`+1 digits.
     - sort: ">" then `size` digits, answer the digits sorted.
-    - running_sum: ":" then `size` digits, answer the prefix sums mod 10.
+    - running_sum: ":" then `size` digits, answer the prefix sums mod 10 (each answer digit depends on all before it:
+      the tiny policy does not learn it beyond about 8 digits).
+    - pair_sum: ":" then `size` digits, answer each digit plus the one before it, mod 10 (the first as is): each
+      answer digit depends on two prompt digits, so long answers stay learnable.
 
     Example:
         >>> task = Task("addition", 3)
@@ -58,8 +63,8 @@ class Task:
     size: int = 3
 
     def __post_init__(self) -> None:
-        if self.kind not in ("addition", "sort", "running_sum"):
-            raise ValueError(f"unknown task {self.kind!r}: use 'addition', 'sort' or 'running_sum'")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown task {self.kind!r}: use one of {KINDS}")
         if not 1 <= self.size <= 64:
             raise ValueError(f"task size must be in 1..64, got {self.size}")
 
@@ -122,12 +127,15 @@ class Task:
                 answer = f"{a + b:0{self.size + 1}d}"
             elif self.kind == "sort":
                 text, answer = ">" + "".join(map(str, row)), "".join(map(str, sorted(row)))
-            else:
+            elif self.kind == "running_sum":
                 sums, total = [], 0
                 for d in row:
                     total = (total + d) % 10
                     sums.append(total)
                 text, answer = ":" + "".join(map(str, row)), "".join(map(str, sums))
+            else:
+                pairs = [(d + (row[i - 1] if i else 0)) % 10 for i, d in enumerate(row)]
+                text, answer = ":" + "".join(map(str, row)), "".join(map(str, pairs))
             prompts.append([BOS, *encode(text)])
             answers.append(encode(answer))
         return torch.tensor(prompts), torch.tensor(answers)

@@ -140,5 +140,5 @@ def test_long_answers_quick_preset(tmp_path, monkeypatch):
     summary = pd.read_csv(out / "long_answers_summary.csv").set_index(["answer_len", "arm"])
     assert len(summary) == 6 and (summary.loc[(slice(None), "GRPO"), "gap_to_grpo_mean"] == 0).all()
     assert summary.heldout_reward_mean.between(0, 1).all() and summary.clipped_mean.between(0, 1).all()
-    assert (tmp_path / "runs" / "init_running_sum16_seed0" / "config.json").exists()  # one warm start per length
+    assert (tmp_path / "runs" / "init_pair_sum16_seed0" / "config.json").exists()  # one warm start per length
     assert mpimg.imread(out / "long_answers.png").shape[1] > 1000

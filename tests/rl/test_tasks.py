@@ -48,3 +48,14 @@ def test_long_running_sums():
     assert torch.equal(answers - 3, digits.cumsum(1) % 10)
     with pytest.raises(ValueError, match=r"1\.\.64, got 65"):
         Task("running_sum", 65)
+
+
+def test_pair_sums():
+    """Each answer digit is the prompt digit plus the one before it, mod 10 (the first as is)."""
+    task = Task("pair_sum", 16)
+    prompts, answers = task.sample(3, torch.Generator().manual_seed(0))
+    digits = prompts[:, 2:] - 3
+    before = torch.cat([torch.zeros_like(digits[:, :1]), digits[:, :-1]], 1)
+    assert answers.shape == (3, 16) and torch.equal(answers - 3, (digits + before) % 10)
+    with pytest.raises(ValueError, match="pair_sum"):
+        Task("pairs", 4)
