@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import os
 import runpy
 import subprocess
 import sys
@@ -23,7 +24,9 @@ def run_quick(script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch | Non
     args = ["--preset", "quick", "--quiet", "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")]
     if monkeypatch is None:
         cmd = [sys.executable, str(ROOT / "experiments" / script), *args]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        # one OpenMP thread, as in the test process: two spinning threads on a busy 2-core machine stall for minutes
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
     else:
         monkeypatch.chdir(ROOT)
