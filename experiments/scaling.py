@@ -29,10 +29,11 @@ import pandas as pd
 import torch
 from common import WARM_STARTS, parse_args, publish, warm_started, write_table
 from scaling_report import extrapolate, figure, summarize
+from torch import nn
 from tqdm.auto import tqdm
 
 from moe_replay import expert_change, teacher_forced_routes
-from moe_replay.rl import Task, answer_logp, minibatch_update, rollout
+from moe_replay.rl import Rollout, Task, answer_logp, minibatch_update, rollout
 from moe_replay.rl.diagnostics import k3_kl
 
 BASE = {"varies": "base", "layers": 4, "experts": 16, "top_k": 2, "task": ("addition", 3)}  # 4-token answers
@@ -68,7 +69,9 @@ PRESETS = {
 }
 
 
-def grpo_step(model, opt, task: Task, g: torch.Generator, batch_size: dict, measure: bool) -> tuple[list, float]:
+def grpo_step(
+    model: nn.Module, opt: torch.optim.Optimizer, task: Task, g: torch.Generator, batch_size: dict, measure: bool
+) -> tuple[list[dict], float]:
     """One GRPO step with rollout replay: the update, the routing views of its off-policy minibatches (2..μ, taken
     before each one trains; only if `measure`), and the per-token KL between the policies before and after it."""
     prompts, answers = task.sample(batch_size["prompts"], g)
@@ -84,7 +87,7 @@ def grpo_step(model, opt, task: Task, g: torch.Generator, batch_size: dict, meas
     return rows, k3_kl(batch.old_logp, after, batch.mask)
 
 
-def routing_views(model, batch, idx: torch.Tensor) -> dict[str, float]:
+def routing_views(model: nn.Module, batch: Rollout, idx: torch.Tensor) -> dict[str, float]:
     """The token log-ratio of the minibatch `idx` at the current weights, routed live and replayed: its variance and
     share outside the clip band in each view, and the share of experts that moved since the rollout."""
     seq, tp, old = batch.sequences[idx], batch.prompt_len, batch.old_logp[idx]
@@ -107,7 +110,7 @@ def routing_views(model, batch, idx: torch.Tensor) -> dict[str, float]:
     }
 
 
-def fresh(init: Path, lr: float, seed: int):
+def fresh(init: Path, lr: float, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The warm-started policy in `init` with a fresh Adam at `lr`."""
     from transformers import AutoModelForCausalLM
 

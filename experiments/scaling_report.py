@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 SHAPE = ["setting", "varies", "layers", "experts", "top_k", "answer_len"]
@@ -138,7 +139,7 @@ def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float) -> Figure:
     return fig
 
 
-def extend(ax, fit: pd.DataFrame, depth: pd.DataFrame, color: str, off: float) -> None:
+def extend(ax: Axes, fit: pd.DataFrame, depth: pd.DataFrame, color: str, off: float) -> None:
     """The depth fit as a dashed line out to 48 layers, and the 48-layer predictions with their 90% intervals."""
     at = np.log2(TARGET_LAYERS)
     slope = fit[fit.target.str.startswith("slope")].estimate
