@@ -14,13 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import torch
 from matplotlib.figure import Figure
+from torch import nn
 
-from moe_replay.rl import Task, build_policy, warm_start
+from moe_replay import expert_change, teacher_forced_routes
+from moe_replay.rl import DEFAULT_EPSILON, Rollout, Task, answer_logp, build_policy, warm_start
 
 RESULTS = Path("experiments/results")  # the committed results; tests write elsewhere (--out)
 WARM_STARTS = Path("runs/warm_starts")  # warm-started policies, shared by the experiments that start from one
 BASE_TASK = Task("addition", 3)  # the task every experiment warm-starts on unless it says otherwise
+LOW, HIGH = DEFAULT_EPSILON["token"]  # GRPO's clip band (DAPO's clip-higher): 0.2, 0.27
 
 
 def parse_args(
@@ -80,6 +84,28 @@ def warm_started(
         warm_start(model, task, steps=steps, target_reward=0.35, seed=seed)
         model.save_pretrained(path)
     return path
+
+
+def same_weight_views(model: nn.Module, batch: Rollout, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Minibatch `idx` of `batch` at the model's current weights: the token log-ratios log π_θ/π_old [n, A] routed
+    live and replaying the rollout's routes (the difference is routing's alone), and the share of expert slots whose
+    live pick moved since the rollout. Leaves the model in eval mode.
+
+    Example:
+        >>> live, replayed, moved = same_weight_views(model, batch, idx)  # doctest: +SKIP
+    """
+    seq, tp, old = batch.sequences[idx], batch.prompt_len, batch.old_logp[idx]
+    model.eval()
+    with torch.no_grad():
+        live = answer_logp(model, seq, tp) - old
+        replayed = answer_logp(model, seq, tp, batch.routes[idx]) - old
+    return live, replayed, expert_change(batch.routes[idx], teacher_forced_routes(model, seq)).fraction
+
+
+def outside_clip(log_ratio: torch.Tensor) -> float:
+    """The share of tokens whose ratio exp(`log_ratio`) lies outside GRPO's clip band [1 − LOW, 1 + HIGH]."""
+    ratio = log_ratio.exp()
+    return float(((ratio < 1 - LOW) | (ratio > 1 + HIGH)).float().mean())
 
 
 def running_mean(frame: pd.DataFrame, column: str = "reward_mean", window: int = 5) -> pd.Series:

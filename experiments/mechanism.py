@@ -26,17 +26,25 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from common import WARM_STARTS, parse_args, save_figure, warm_started, write_table
+from common import (
+    HIGH,
+    LOW,
+    WARM_STARTS,
+    outside_clip,
+    parse_args,
+    same_weight_views,
+    save_figure,
+    warm_started,
+    write_table,
+)
 from matplotlib.figure import Figure
 
-from moe_replay import expert_change, teacher_forced_routes
-from moe_replay.rl import Task, answer_logp, minibatch_update, rollout
+from moe_replay.rl import Task, minibatch_update, rollout
 
 PRESETS = {
     "quick": {"lrs": [1e-3], "seeds": [0], "steps": 1, "warm_steps": 10},
     "full": {"lrs": [1e-4, 3e-4, 1e-3], "seeds": [0, 1, 2], "steps": 5, "warm_steps": 300},
 }
-LOW, HIGH = 0.2, 0.27
 
 
 def run(lr: float, seed: int, steps: int, init: Path) -> list[dict]:
@@ -52,16 +60,10 @@ def run(lr: float, seed: int, steps: int, init: Path) -> list[dict]:
     for step in range(steps):
         prompts, answers = task.sample(16, g)
         batch = rollout(model, task, prompts, answers, group_size=8, replay="rollout")
-        seq, tp, routes, old = batch.sequences, batch.prompt_len, batch.routes, batch.old_logp
         for j, idx in enumerate(batch.minibatch_indices(4, g)):
             if j > 0:  # off-policy: the weights moved since π_old
-                model.eval()
-                with torch.no_grad():
-                    live = answer_logp(model, seq[idx], tp) - old[idx]
-                    replayed = answer_logp(model, seq[idx], tp, routes[idx]) - old[idx]
-                moved = expert_change(routes[idx], teacher_forced_routes(model, seq[idx]))
+                live, replayed, moved = same_weight_views(model, batch, idx)
                 for view, lr_tok in (("live routing", live), ("routing replay", replayed)):
-                    ratio = lr_tok.exp()
                     rows.append(
                         {
                             "lr": lr,
@@ -71,8 +73,8 @@ def run(lr: float, seed: int, steps: int, init: Path) -> list[dict]:
                             "view": view,
                             "var_log_ratio": float(lr_tok.var()),
                             "p99_abs_log_ratio": float(lr_tok.abs().quantile(0.99)),
-                            "outside_clip": float(((ratio < 1 - LOW) | (ratio > 1 + HIGH)).float().mean()),
-                            "experts_changed": moved.fraction,
+                            "outside_clip": outside_clip(lr_tok),
+                            "experts_changed": moved,
                         }
                     )
             minibatch_update(model, opt, batch, idx, epsilon_low=LOW, epsilon_high=HIGH)

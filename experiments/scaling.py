@@ -27,12 +27,21 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from common import WARM_STARTS, parse_args, publish, warm_started, write_table
+from common import (
+    HIGH,
+    LOW,
+    WARM_STARTS,
+    outside_clip,
+    parse_args,
+    publish,
+    same_weight_views,
+    warm_started,
+    write_table,
+)
 from scaling_report import extrapolate, figure, summarize
 from torch import nn
 from tqdm.auto import tqdm
 
-from moe_replay import expert_change, teacher_forced_routes
 from moe_replay.rl import Rollout, Task, answer_logp, minibatch_update, rollout
 from moe_replay.rl.diagnostics import k3_kl
 
@@ -46,7 +55,6 @@ SETTINGS = {
 }
 KL_TARGET = 1e-2  # nats per answer token per GRPO step: the median at lr 1e-4 in the base setting (mismatch runs)
 LR0 = 1e-4  # the calibration's learning rate
-LOW, HIGH = 0.2, 0.27  # GRPO's clip band (DAPO's clip-higher)
 PRESETS = {
     "quick": {
         "settings": ["base", "8 layers"],
@@ -90,22 +98,12 @@ def grpo_step(
 def routing_views(model: nn.Module, batch: Rollout, idx: torch.Tensor) -> dict[str, float]:
     """The token log-ratio of the minibatch `idx` at the current weights, routed live and replayed: its variance and
     share outside the clip band in each view, and the share of experts that moved since the rollout."""
-    seq, tp, old = batch.sequences[idx], batch.prompt_len, batch.old_logp[idx]
-    model.eval()
-    with torch.no_grad():
-        live = answer_logp(model, seq, tp) - old
-        replayed = answer_logp(model, seq, tp, batch.routes[idx]) - old
-    moved = expert_change(batch.routes[idx], teacher_forced_routes(model, seq)).fraction
-
-    def outside(log_ratio: torch.Tensor) -> float:
-        ratio = log_ratio.exp()
-        return float(((ratio < 1 - LOW) | (ratio > 1 + HIGH)).float().mean())
-
+    live, replayed, moved = same_weight_views(model, batch, idx)
     return {
         "var_live": float(live.var()),
         "var_replay": float(replayed.var()),
-        "clip_live": outside(live),
-        "clip_replay": outside(replayed),
+        "clip_live": outside_clip(live),
+        "clip_replay": outside_clip(replayed),
         "experts_changed": moved,
     }
 

@@ -27,7 +27,6 @@ class Layout:
 
     sites: tuple[RouterSite, ...]
     tracked: tuple[nn.Module, ...]
-    paths: tuple[str, ...]  # the routers' names, then the tracked models' (the model itself excluded)
     stamp: Stamp
     # kept with the layout while it holds: the model's hub ("hub") and match_layers' results (per routes' layers)
     kept: dict = field(default_factory=dict, compare=False)
@@ -48,7 +47,7 @@ def model_layout(model: nn.Module) -> Layout:
     tracked = _tracked(model, sites, modules)
     paths = tuple(s.name for s in sites) + tuple(name for name, _ in tracked)
     targets = [s.router for s in sites] + [m for _, m in tracked]
-    layout = Layout(sites, (model, *(m for _, m in tracked)), paths, _stamp(model, paths, targets))
+    layout = Layout(sites, (model, *(m for _, m in tracked)), _stamp(model, paths, targets))
     model.__dict__[ATTR] = layout
     return layout
 

@@ -48,7 +48,6 @@ class RouteReplayer:
         self._gaps = [0, *torch.cumsum((~self._mask_cpu).any(0), 0).tolist()]
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
-        self._group_checks: dict[int, partial] = {}  # per layer: G -> its `_groups_used`
         self._columns: dict[str, int] = {}
         self._span: tuple | None = None  # the current forward's (see `_step_span`)
 
@@ -100,9 +99,7 @@ class RouteReplayer:
             indices = r.indices[:, start:end, layer].long().reshape(step.tokens, info.top_k)
         self._covered.add((start, end, layer))
         on_live = partial(self._tally, layer, mask) if self.track_live else None
-        groups = self._group_checks.get(layer)
-        if groups is None:
-            groups = self._group_checks[layer] = partial(self._groups_used, layer)
+        groups = partial(self._groups_used, layer)
         return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live, groups)
 
     def _step_span(self, step: Step) -> tuple[Step, torch.Tensor | None, bool, tuple[torch.Tensor, ...] | None]:

@@ -101,15 +101,10 @@ class TopK(Selector):
         return out
 
     def _observes(self) -> bool:
-        """Whether to report the live picks: a forward call (not its recompute) that no other selector steered."""
+        """Whether to report the live picks (asked only where the plan has `on_live`): a forward call (not its
+        recompute) that no other selector steered."""
         call = self.call
-        return (
-            call.plan is not None
-            and call.plan.on_live is not None
-            and not call.recompute
-            and self.replaced == 0
-            and not any(getattr(s, "steered", 0) for s in call.selectors)
-        )
+        return not call.recompute and self.replaced == 0 and not any(getattr(s, "steered", 0) for s in call.selectors)
 
     @property
     def active(self) -> bool:
