@@ -29,6 +29,11 @@ class RouterFacts:
     topk_in_router: bool | None = None
     output_index: dict[bool, int | None] = field(default_factory=dict)
     redirect: dict[bool, bool] = field(default_factory=dict)
+    forward: object = None  # the class's `forward` they were learned on: a class patched since starts afresh
+
+    def __getstate__(self) -> dict:
+        """A saved or copied model's facts forget the function (a patched one may not pickle): relearned on use."""
+        return {**self.__dict__, "forward": None}
 
 
 def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
@@ -47,11 +52,14 @@ def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
 
 
 def facts_for(model: nn.Module, router: nn.Module) -> RouterFacts:
-    """The (possibly still empty) facts about `router`'s class on `model`."""
+    """The (possibly still empty) facts about `router`'s class on `model`: new ones if the class's `forward` was
+    replaced since they were learned (a kernel library or a user patching the class between contexts)."""
     facts = router_facts(model)
-    found = facts.get(type(router))
-    if found is None:
-        found = facts[type(router)] = RouterFacts()
+    cls = type(router)
+    forward = getattr(cls, "forward", None)
+    found = facts.get(cls)
+    if found is None or found.forward is not forward:
+        found = facts[cls] = RouterFacts(forward=forward)
     return found
 
 

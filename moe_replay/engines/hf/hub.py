@@ -29,7 +29,7 @@ from .facts import facts_for, signature_cache
 from .generation import PACKED_GENERATION, check_generation, eos_token_ids, refuse_packed, setting
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
-from .recompute import Pending, RecomputeQueue, fingerprint, will_be_recomputed
+from .recompute import Pending, RecomputeQueue, fingerprint, inside_reentrant_checkpoint, will_be_recomputed
 from .redirect import Redirects, redirectable
 from .selectors import TopK, selectors_for
 from .steps import Step, StepTracker
@@ -42,11 +42,12 @@ class RouterHub:
         self.model = model
         self.layout = layout  # kept on the model between contexts while its module tree holds, and this hub with it
         self.sites: list[RouterSite] = list(layout.sites)
-        self.facts = [facts_for(model, s.router) for s in self.sites]
         self.selectors = [selectors_for(s.router) for s in self.sites]
         self._tracked: list[nn.Module] = list(layout.tracked)
         self._redirects = Redirects()  # routers whose own torch.topk alone is intercepted
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
+        self._patches = Patches(owner=self)
+        self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
         self._reset()
 
     def _reset(self) -> None:
@@ -56,11 +57,11 @@ class RouterHub:
         self.replayers: list[Replayer] = []
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
         self.pending = [RecomputeQueue(s.name) for s in self.sites]
+        self.facts = [facts_for(self.model, s.router) for s in self.sites]  # per context: a class may be patched
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
-        self._patches = Patches(owner=self)
         self._generating = 0
         self._synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
 
@@ -115,6 +116,10 @@ class RouterHub:
         return sum(queue.count(handler) for queue in self.pending)
 
     def _install(self) -> None:
+        wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
+        if wrapped == self._installed and self._patches.redo():  # the last context's patches, set again as they were
+            return
+        self._installed = None  # until every patch below is set (a failed install is undone, never redone)
         self._patches.set(self.model, MARKER, self)
         patch = partial(self._patches.patch, kept=self._wrappers)
         for module in self._tracked:
@@ -128,6 +133,7 @@ class RouterHub:
             if not self.router_only[i]:  # a router class known to select inside itself needs no block wrapper
                 patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
             patch(site.router, "forward", lambda inner, i=i, s=site: self._scope_wrapper(i, inner, s.logits_index))
+        self._installed = wrapped
 
     # ---- wrappers ------------------------------------------------------------------------------------------
     def _step_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -137,6 +143,8 @@ class RouterHub:
                 return inner(*args, **kwargs)
             step = tracker.begin(inner, args, kwargs)
             step.synced = self._synced
+            if step.grad is None and self.replayers:  # began without grad: a checkpoint around the model recomputes
+                step.grad = inside_reentrant_checkpoint()  # it (the stack above the model, walked once per forward)
             tracker.depth += 1
             try:
                 return inner(*args, **kwargs)

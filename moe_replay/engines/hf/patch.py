@@ -19,13 +19,14 @@ from torch import nn
 MARKER = "_moe_replay_hub"  # set on every wrapper (and on the hooked model): which hub installed it
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     module: nn.Module
     attr: str
     value: Any
     had_own: bool
     previous: Any
+    shared: Any  # the class's attribute of that name when set (what a wrapper of the class's method wraps)
 
     def apply(self) -> None:
         self.module.__dict__[self.attr] = self.value
@@ -49,6 +50,7 @@ class Patches:
     def __init__(self, owner: object) -> None:
         self.owner = owner
         self._entries: list[_Entry] = []
+        self._undone: list[_Entry] = []  # what the last `undo` removed, in the order it was set (see `redo`)
         self._copyable: set[int] = set()
 
     def __len__(self) -> int:
@@ -56,7 +58,8 @@ class Patches:
 
     def set(self, module: nn.Module, attr: str, value: Any) -> None:
         """Set `module.<attr>` to `value` on the instance until `undo`."""
-        entry = _Entry(module, attr, value, attr in module.__dict__, module.__dict__.get(attr))
+        own = module.__dict__
+        entry = _Entry(module, attr, value, attr in own, own.get(attr), getattr(type(module), attr, None))
         entry.apply()
         self._entries.append(entry)
         if id(module) not in self._copyable:
@@ -84,9 +87,36 @@ class Patches:
 
     def undo(self) -> None:
         """Remove every attribute, last first (idempotent)."""
-        while self._entries:
-            self._entries.pop().remove()
+        entries, self._entries = self._entries, []
+        for e in reversed(entries):  # `_Entry.remove`, inlined (this runs per context)
+            if e.had_own:
+                e.module.__dict__[e.attr] = e.previous
+            else:
+                e.module.__dict__.pop(e.attr, None)
+        if entries:
+            self._undone = entries
         self._copyable.clear()
+
+    def redo(self) -> bool:
+        """Set again every attribute the last `undo` removed, if nothing is set now and every module still has, on
+        itself and on its class, what it had when the attribute was first set (so every wrapper still wraps what is
+        there); else set nothing. Returns whether it did: a context per minibatch then costs one loop, not a patch
+        per method.
+        """
+        entries = self._undone
+        if self._entries or not entries:
+            return False
+        for e in entries:  # plain loop, no calls per entry: this runs per context
+            own = e.module.__dict__
+            if (e.attr in own) is not e.had_own or own.get(e.attr) is not e.previous:
+                return False
+            if getattr(type(e.module), e.attr, None) is not e.shared:
+                return False
+        for e in entries:
+            e.module.__dict__[e.attr] = e.value
+        self._entries, self._undone = entries, []
+        self._copyable = {id(e.module) for e in entries}
+        return True
 
     @contextmanager
     def suspended(self) -> Iterator[None]:

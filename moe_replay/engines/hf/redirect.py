@@ -91,7 +91,7 @@ class Redirects:
     """One hub's redirected router forwards (per router class) and the router call running inside one."""
 
     def __init__(self) -> None:
-        self._forwards: dict[type, types.FunctionType] = {}
+        self._forwards: dict[types.FunctionType, types.FunctionType] = {}  # per class forward
         self._call: Any = None
 
     def forward(self, router: nn.Module, inner: Any) -> types.FunctionType | None:
@@ -100,9 +100,9 @@ class Redirects:
         forward = type(router).forward
         if getattr(inner, "__func__", None) is not forward or getattr(inner, "__self__", None) is not router:
             return None
-        found = self._forwards.get(type(router))
+        found = self._forwards.get(forward)
         if found is None:
-            found = self._forwards[type(router)] = redirected_forward(forward, self._topk)
+            found = self._forwards[forward] = redirected_forward(forward, self._topk)
         return found
 
     def run(self, call: Any, forward: types.FunctionType, router: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -88,6 +88,27 @@ def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_
         model(ids)
     assert calls == [1] and router.__dict__["forward"] is counted
     del router.forward
+    with torch.no_grad(), replay_routes(model, rec.routes):  # wrapped afresh: the instance method is gone again
+        assert router.__dict__["forward"] is not counted
+        model(ids)
+        inside = copy.deepcopy(model)  # the copy hook of a context set up from the kept patches
+    copied = dict(inside.named_modules())[model_layout(model).sites[0].name]
+    assert calls == [1] and "forward" not in copied.__dict__ and "forward" not in router.__dict__
+
+    cls, original = type(router), type(router).forward
+    seen = []
+
+    def class_forward(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(1)
+        return original(self, *args, **kwargs)
+
+    try:
+        cls.forward = class_forward  # the class's method replaced between contexts: its wrappers are made afresh
+        with torch.no_grad(), replay_routes(model, rec.routes):
+            model(ids)
+        assert len(seen) == len(model_layout(model).sites)
+    finally:
+        cls.forward = original
 
     clone = copy.deepcopy(model)
     assert model_layout(clone).kept.get("hub") is None
