@@ -229,7 +229,10 @@ class RouterHub:
                 if opened:
                     self._calls[i] = None
             if opened:
-                self._end(call)
+                try:
+                    self._end(call)
+                finally:  # its selectors point back at the call: unlinked, both are freed now, not by the collector
+                    call.selectors = []
             return out
 
         return forward

@@ -187,3 +187,32 @@ def test_a_shallow_copy_made_inside_a_context_is_not_left_with_a_dead_hub(qwen):
     with replay_routes(shallow, routes):
         assert torch.equal(shallow(ids, attention_mask=mask).logits, want)
     assert hook_count(shallow) == 0 and "_moe_replay_hub" not in shallow.__dict__
+
+
+def test_contexts_and_router_calls_leave_no_cyclic_garbage(qwen):
+    """Everything a context and its router calls make is freed when they end (no reference cycles): the replayed
+    index tensors are not held until a garbage collection, and a context per forward does not keep triggering one."""
+    import gc
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    routes = recorded(qwen, ids, mask)
+
+    def work() -> None:
+        with torch.no_grad(), record_routes(qwen) as rec:
+            qwen.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+        assert rec.routes.batch_size == 2
+        with replay_routes(qwen, routes, track_live=True):
+            qwen(ids, attention_mask=mask).logits.sum().backward()
+
+    work()  # first use: learns the router class's facts
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        work()
+        gc.collect()
+        ours = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("moe_replay")]
+        tensors = sum(isinstance(o, torch.Tensor) for o in gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert ours == [] and tensors == 0
