@@ -39,6 +39,7 @@ ARMS = {
 }
 HELDOUT = "eval/sampled/reward"
 TASK = "pair_sum"
+CHANCE = 0.1  # per-digit reward of a random answer
 PRESETS = {
     "quick": {
         "lengths": [4, 16],
@@ -128,12 +129,20 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 def figure(frame: pd.DataFrame) -> Figure:
     """Clipped tokens, final reward, and the paired gap to GRPO, each against answer length (mean ± sd over seeds;
-    seeds as dots)."""
+    seeds as dots). A length whose warm start left the policy at chance is drawn hollow and not joined to the others:
+    its arms learned nothing, so it says nothing about length."""
     runs = summarize(frame)
     seeds = per_run(frame)
     fig = Figure(figsize=(12, 3.8), layout="constrained")
     axes = fig.subplots(1, 3)
     lengths = sorted(runs.answer_len.unique())
+    start = runs.groupby("answer_len").start_reward_mean.first().reindex(lengths)
+    learned = (start > CHANCE + 0.05).to_numpy()  # per-digit reward clearly above chance
+    counts = runs.groupby("answer_len").seeds.max().reindex(lengths)
+    ticks = [
+        f"{n}\n{counts[n]} seed" + ("s" if counts[n] > 1 else "") + ("" if ok else ", at chance")
+        for n, ok in zip(lengths, learned, strict=True)
+    ]
     panels = [
         ("clipped", "tokens clipped (%)", 100, list(ARMS)),
         ("final_reward", "final training reward", 1, list(ARMS)),
@@ -144,19 +153,19 @@ def figure(frame: pd.DataFrame) -> Figure:
             part = runs[runs.arm == arm].set_index("answer_len").reindex(lengths)
             x = np.arange(len(lengths)) + (k - (len(arms) - 1) / 2) * 0.12
             color = f"C{list(ARMS).index(arm)}"
-            ax.errorbar(x, part[f"{col}_mean"] * scale, part[f"{col}_sd"].fillna(0) * scale, fmt="o-",
-                        capsize=3, color=color, label=arm)  # fmt: skip
+            y, err = part[f"{col}_mean"].to_numpy() * scale, part[f"{col}_sd"].fillna(0).to_numpy() * scale
+            ax.errorbar(x[learned], y[learned], err[learned], fmt="o-", capsize=3, color=color, label=arm)
+            ax.plot(x[~learned], y[~learned], "o", mfc="none", color=color)
             mine = seeds[seeds.arm == arm]
             for i, length in enumerate(lengths):
                 dots = mine.loc[mine.answer_len == length, col] * scale
                 ax.plot([x[i]] * len(dots), dots, ".", color=color, alpha=0.35)
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_xticks(range(len(lengths)), ticks)
         ax.set_xlabel(f"answer tokens ({TASK.replace('_', ' ')}s)")
         ax.set_ylabel(label)
         ax.legend(fontsize="x-small")
     axes[2].axhline(0, color="gray", lw=0.8)
-    n = frame.seed.nunique()
-    fig.suptitle(f"Longer answers: GRPO, GRPO + R2 and GSPO on pair sums ({n} seeds, mean ± sd; dots are seeds)")
+    fig.suptitle("Longer answers: GRPO, GRPO + R2 and GSPO on pair sums (mean ± sd over seeds; dots are seeds)")
     return fig
 
 
