@@ -51,7 +51,7 @@ SETTINGS = {
     **{f"{n} layers": BASE | {"varies": "depth", "layers": n} for n in (8, 16, 32)},
     **{f"{e} experts, top-8": BASE | {"varies": "experts", "experts": e, "top_k": 8} for e in (64, 128)},
     # the length axis changes the task, so it has its own short-answer control
-    **{f"running sum, {n} tokens": BASE | {"varies": "length", "task": ("running_sum", n)} for n in (4, 32)},
+    **{f"pair sum, {n} tokens": BASE | {"varies": "length", "task": ("pair_sum", n)} for n in (4, 32)},
 }
 KL_TARGET = 1e-2  # nats per answer token per GRPO step: the median at lr 1e-4 in the base setting (mismatch runs)
 LR0 = 1e-4  # the calibration's learning rate

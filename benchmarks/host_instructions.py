@@ -1,0 +1,151 @@
+"""What recording and replay add to a small forward, in CPU instructions counted by valgrind: a measure of host work
+that does not move with the machine's state (timed ratios on a shared 2-core machine swing by 5-10% from run to run).
+
+    python benchmarks/host_instructions.py                     # tiny and realistic models (about 40 minutes, one core)
+    python benchmarks/host_instructions.py --models tiny       # one model (tiny: about 15 minutes); its rows replace
+                                                               # that model's rows in the CSV, the others are kept
+
+Needs `valgrind` (callgrind), a C compiler and valgrind's `callgrind.h` (Debian: `apt install valgrind gcc`). Each
+work runs in its own process under `valgrind --tool=callgrind --instr-atstart=no`: the imports, the model build and
+three warm-up repetitions run uninstrumented, then instructions are counted over N repetitions only (a client request
+from a tiny C helper, loaded with ctypes, switches counting on and off). Counts are exact for one process; the only
+noise left is when Python's garbage collector happens to run, which the repetitions average over.
+Works (B=1, T=32, no grad, as in host_cost.py): a replayed forward with the context opened around it, 10 replayed
+forwards in one context, recording under `generate` of 32 new tokens, each against the same work without moe-replay.
+Writes benchmarks/results_host_instructions.csv (or --csv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HELPER = r"""
+#include <valgrind/callgrind.h>
+void start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void stop(void) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS; }
+"""
+WORKS = {  # name: (ours, plain, repetitions on the tiny model, router calls per repetition per layer)
+    "replay forward": ("replay", "plain", 5, 1),
+    "replay forward, 10 per context": ("held", "plain10", 2, 10),
+    "record generate": ("record_generate", "generate", 2, 32),
+}
+
+
+def child(work: str, model_name: str, reps: int, helper: str) -> None:
+    """Run `work` `reps` times with callgrind counting (this process runs under valgrind)."""
+    import torch
+    from run import REALISTIC, TINY, build, generate_fn
+
+    from moe_replay import record_routes, replay_routes
+
+    torch.set_num_threads(1)
+    model = build(TINY if model_name == "tiny" else REALISTIC, "cpu")
+    ids = torch.randint(1, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids)
+    routes = rec.routes
+
+    def forwards(n: int, replay: bool) -> None:
+        with torch.no_grad():
+            if replay:
+                with replay_routes(model, routes):
+                    for _ in range(n):
+                        model(ids)
+            else:
+                for _ in range(n):
+                    model(ids)
+
+    fns = {
+        "plain": lambda: forwards(1, False),
+        "replay": lambda: forwards(1, True),
+        "plain10": lambda: forwards(10, False),
+        "held": lambda: forwards(10, True),
+        "generate": generate_fn(model, 1, 32, "cpu", False),
+        "record_generate": generate_fn(model, 1, 32, "cpu", True),
+    }
+    fn = fns[work]
+    for _ in range(3):
+        fn()
+    lib = ctypes.CDLL(helper)
+    lib.start()
+    for _ in range(reps):
+        fn()
+    lib.stop()
+
+
+def count(work: str, model_name: str, reps: int, helper: str) -> float:
+    """Instructions per repetition of `work`, from a fresh process under callgrind."""
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null", sys.executable,
+           __file__, "--child", work, model_name, str(reps), helper]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if out.returncode != 0 or found is None:
+        raise RuntimeError(f"{' '.join(cmd[-4:])} failed:\n{out.stderr[-2000:]}")
+    return int(found.group(1)) / reps
+
+
+def build_helper(where: Path) -> str:
+    """Compile the start/stop helper; a clear error if the tools are missing."""
+    missing = [tool for tool in ("valgrind", "cc") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"host_instructions.py needs {missing} on PATH (Debian: apt install valgrind gcc)")
+    (where / "helper.c").write_text(HELPER)
+    lib = where / "helper.so"
+    made = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(where / "helper.c")],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if made.returncode != 0:
+        raise SystemExit(f"could not build the callgrind helper (is valgrind's callgrind.h installed?):\n{made.stderr}")
+    return str(lib)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", choices=["tiny", "realistic"], default=["tiny", "realistic"])
+    ap.add_argument("--csv", type=Path, default=Path(__file__).with_name("results_host_instructions.csv"))
+    args = ap.parse_args()
+    layers = {"tiny": 4, "realistic": 8}
+    models = args.models
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        helper = build_helper(Path(tmp))
+        for model_name in models:
+            for work, (ours, plain, reps, per_layer) in WORKS.items():
+                reps = max(1, reps // (2 if model_name == "realistic" else 1))
+                a, b = count(ours, model_name, reps, helper), count(plain, model_name, reps, helper)
+                row = {
+                    "work": f"{work}, {model_name}, B=1",
+                    "ours_minstr": round(a / 1e6, 3),
+                    "plain_minstr": round(b / 1e6, 3),
+                    "ratio": round(a / b, 4),
+                    "extra_kinstr_per_router_call": round((a - b) / (layers[model_name] * per_layer) / 1e3, 1),
+                }
+                rows.append(row)
+                print(" | ".join(str(v) for v in row.values()), flush=True)
+    out = args.csv
+    if out.exists():  # keep the rows of the models not run this time
+        with out.open() as f:
+            kept = [r for r in csv.DictReader(f) if r["work"].split(", ")[-2] not in models]
+        rows = kept + rows
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
