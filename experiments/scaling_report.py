@@ -83,9 +83,10 @@ def extrapolate(frame: pd.DataFrame, draws: int = 4000, seed: int = 0) -> pd.Dat
     return pd.DataFrame(rows, columns=["metric", "target", "estimate", "low_90", "high_90"])
 
 
-def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float) -> Figure:
+def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float, at_chance: frozenset[str] = frozenset()) -> Figure:
     """Routing's shares along each axis (seeds as dots, mean ± sd as bars), the depth fit extended to 48 layers with
-    its 90% intervals, and the per-update KL each setting reached against the target."""
+    its 90% intervals, and the per-update KL each setting reached against the target. Settings in `at_chance` (whose
+    warm start did not learn the task) are labelled so on the experts and answer axes."""
     seeds = per_seed(frame)
     stats = summarize(frame)
     fig = Figure(figsize=(14, 3.8), layout="constrained")
@@ -107,7 +108,8 @@ def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float) -> Figure:
         else:
             xs = np.arange(len(rows), dtype=float)
             names = rows.setting.str.replace("base", "16 experts, top-2" if title != "answer" else "base")
-            ax.set_xticks(xs, [n.replace(", ", "\n") for n in names], fontsize="small")
+            labels = [n.replace(", ", "\n") + ("\n(warm start\nat chance)" if n in at_chance else "") for n in names]
+            ax.set_xticks(xs, labels, fontsize="small")
             ax.set_xlim(-0.5, len(rows) - 0.5)
             ax.set_xlabel("4 layers" + (", 16 experts, top-2" if title == "answer" else ""))
         for k, (metric, label) in enumerate(METRICS.items()):
