@@ -194,6 +194,11 @@ class RouterHub:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             call = self._calls[i]
+            if call is None and is_router and not self.replayers and self._fast_record(i) and not in_backward():
+                step = self.tracker.current
+                if step is not None:  # a recording read from the router's output: no call state, no interception
+                    layer = self._layer(i, step)
+                    return self._recorded(i, layer, step, inner(*args, **kwargs))
             opened = call is None
             if opened:
                 call = self._calls[i] = self._begin(i)
@@ -249,15 +254,30 @@ class RouterHub:
                 f"router {site.name!r} ran outside a forward of {type(self.model).__name__}: call the model that was "
                 "given to record_routes / replay_routes"
             )
-        last, n = self._occurrence[i]  # a router run again in the same forward (looped layers) is a layer of its own
-        n = n + 1 if last is step else 0
-        self._occurrence[i] = (step, n)
-        name = f"{site.name}#{n}" if n else site.name
+        name = self._layer(i, step)
         plan = self.replayers[-1].plan(name, step) if self.replayers else None
         call = RouterCall(i, site, name, step, plan, record=bool(self.recorders))
         if site.router.training not in self.facts[i].redirect:  # still to learn whether its top-k can be redirected
             call.topk_sites = []
         return call
+
+    def _layer(self, i: int, step: Step) -> str:
+        """Router `i`'s layer name in `step` (run again in the same forward, by looped layers, it is another layer)."""
+        last, n = self._occurrence[i]
+        n = n + 1 if last is step else 0
+        self._occurrence[i] = (step, n)
+        return f"{self.sites[i].name}#{n}" if n else self.sites[i].name
+
+    def _recorded(self, i: int, layer: str, step: Step, out: Any) -> Any:
+        """Record router `i`'s call from its output `out` (its element `RouterFacts.output_index` is the top-k's
+        indices) and return `out`."""
+        found = outputs(out)
+        idx = found[self.facts[i].output_index[self.sites[i].router.training]]
+        idx = idx.reshape(step.batch, step.length, idx.shape[-1])
+        experts = num_scores(found, self.sites[i].logits_index)
+        for rec in self.recorders:
+            rec.record(layer, step, idx, experts)
+        return out
 
     def _at_router(self, call: RouterCall, args: tuple, kwargs: dict) -> None:
         """On entering the router module (inside any checkpoint around its layer): queue a replayed call that the
@@ -286,10 +306,8 @@ class RouterHub:
         i, router = call.index, call.site.router
         facts = self.facts[i]
         if call.plan is None and call.record and call.router_out is not None and not call.active:
-            j = facts.output_index.get(router.training)
-            if j is not None:  # recorded from the router's output: its element j is the top-k's indices
-                idx = outputs(call.router_out)[j]
-                self._record(call, idx.reshape(call.step.batch, call.step.length, idx.shape[-1]))
+            if facts.output_index.get(router.training) is not None:  # recorded from the router's output
+                self._recorded(i, call.layer, call.step, call.router_out)
                 return
         if not self.router_only[i] and call.active:
             self.router_only[i] = facts.topk_in_router = not call.outside_router
@@ -304,8 +322,6 @@ class RouterHub:
             facts.output_index[router.training] = next(
                 (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
             )
-        self._record(call, idx.reshape(call.step.batch, call.step.length, idx.shape[-1]))
-
-    def _record(self, call: RouterCall, indices: torch.Tensor) -> None:
+        indices = idx.reshape(call.step.batch, call.step.length, idx.shape[-1])
         for rec in self.recorders:
             rec.record(call.layer, call.step, indices, call.num_experts)
