@@ -104,26 +104,34 @@ class RouteRecorder:
         return batches[0] if len(batches) == 1 else Routes.cat(batches)
 
     def _build(self, stream: _Stream) -> Routes:
-        T = max(s.start + s.length for s in stream.steps)
-        T = max(T, stream.final_len or 0)
-        ks = {idx.shape[-1] for row in stream.per_step for idx in row.values()}
+        """The stream's `Routes`: its steps cover positions [0, end) one after another (a stream starts at 0 and each
+        forward continues where the last ended), so each layer's steps are joined by one `cat`, not placed one by
+        one (a generate has a step per new token)."""
+        steps, rows = stream.steps, stream.per_step
+        end = 0
+        for step in steps:
+            if step.start != end:
+                raise RuntimeError(f"internal: a recorded step starts at {step.start}, after positions 0..{end - 1}")
+            end += step.length
+        T = max(end, stream.final_len or 0)
+        ks = {idx.shape[-1] for row in rows for idx in row.values()}
         if len(ks) != 1:
             raise ValueError(f"layers recorded different top-k values {sorted(ks)}; Routes needs one K")
         (K,) = ks
         layers = [LayerInfo(name, E, K) for name, E in self._experts.items()]
-        dtype = index_dtype(max(layer.num_experts for layer in layers))
-        first = next(iter(stream.per_step[0].values()))
-        indices = torch.zeros(stream.batch, T, len(layers), K, dtype=dtype, device=first.device)
-        mask = torch.zeros(stream.batch, T, dtype=torch.bool, device=first.device)
-        for step, row in zip(stream.steps, stream.per_step, strict=True):
-            missing = [layer.name for layer in layers if layer.name not in row]
-            if missing:
+        for step, row in zip(steps, rows, strict=True):
+            if len(row) != len(layers):
+                missing = [layer.name for layer in layers if layer.name not in row]
                 raise ValueError(
                     f"routers {missing} recorded nothing at positions {step.start}..{step.start + step.length}"
                 )
-            span = slice(step.start, step.start + step.length)
-            indices[:, span] = torch.stack([row[layer.name].to(dtype) for layer in layers], dim=2)
-            mask[:, span] = step.real.to(mask.device)
+        dtype = index_dtype(max(layer.num_experts for layer in layers))
+        indices = torch.stack([torch.cat([row[layer.name] for row in rows], 1).to(dtype) for layer in layers], 2)
+        first = rows[0][layers[0].name]
+        mask = torch.cat([step.real.to(first.device) for step in steps], 1)
+        if T > end:  # the last sampled token of a generate is never forwarded
+            indices = torch.cat([indices, indices.new_zeros(stream.batch, T - end, *indices.shape[2:])], 1)
+            mask = torch.cat([mask, mask.new_zeros(stream.batch, T - end)], 1)
         if stream.ended is not None:
             mask &= ~stream.ended.to(mask.device)[:, :T]
         return Routes._trusted(indices, mask, tuple(layers))
