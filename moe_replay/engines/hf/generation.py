@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...errors import UnsupportedGenerationError
@@ -62,3 +64,31 @@ def eos_token_ids(model: nn.Module, kwargs: dict[str, Any]) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+
+
+def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """`generate` of a hooked model (`hub`: its RouterHub): refuses modes routes cannot follow, marks its forwards as
+    one generation (with `synced_gpus`, forwards past the routes may be dummies), then tells the hub's recorders which
+    streams it made and its `out.sequences`, end-of-sequence ids and prompt mask."""
+
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        if hub.generating:
+            return inner(*args, **kwargs)
+        check_generation(hub.model, args, kwargs)
+        first = hub.tracker.stream + 1
+        hub.generating += 1
+        hub.synced = bool(setting(hub.model, kwargs, "synced_gpus", False))
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            hub.generating -= 1
+            hub.synced = False
+        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        if isinstance(sequences, torch.Tensor):
+            streams = range(first, hub.tracker.stream + 1)
+            eos, prompt_mask = eos_token_ids(hub.model, kwargs), kwargs.get("attention_mask")
+            for rec in hub.recorders:
+                rec.on_generate(streams, sequences, eos, prompt_mask if torch.is_tensor(prompt_mask) else None)
+        return out
+
+    return generate

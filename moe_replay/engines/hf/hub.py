@@ -18,7 +18,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import torch
 from torch import nn
 
 from ...errors import NestedContextError, ReplayError
@@ -26,7 +25,7 @@ from ..autograd import in_backward
 from .call import InterceptMode, Recorder, Replayer, RouterCall, num_scores, outputs
 from .discover import RouterSite
 from .facts import facts_for, signature_cache
-from .generation import PACKED_GENERATION, check_generation, eos_token_ids, refuse_packed, setting
+from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
 from .recompute import Pending, RecomputeQueue, fingerprint, inside_reentrant_checkpoint, will_be_recomputed
@@ -62,8 +61,8 @@ class RouterHub:
         self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
-        self._generating = 0
-        self._synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
+        self.generating = 0  # generate calls on the stack (generation.py)
+        self.synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copied model (its layout, with this hub kept in it) makes its own
@@ -125,7 +124,7 @@ class RouterHub:
         for module in self._tracked:
             patch(module, "forward", self._step_wrapper)
             if callable(getattr(module, "generate", None)):
-                patch(module, "generate", self._generate_wrapper)
+                patch(module, "generate", partial(generate_wrapper, self))
             for name in PACKED_GENERATION:
                 if callable(getattr(module, name, None)):
                     patch(module, name, partial(refuse_packed, name))
@@ -142,7 +141,7 @@ class RouterHub:
             if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
                 return inner(*args, **kwargs)
             step = tracker.begin(inner, args, kwargs)
-            step.synced = self._synced
+            step.synced = self.synced
             if step.grad is None and self.replayers:  # began without grad: a checkpoint around the model recomputes
                 step.grad = inside_reentrant_checkpoint()  # it (the stack above the model, walked once per forward)
             tracker.depth += 1
@@ -157,29 +156,6 @@ class RouterHub:
                 tracker.current = None
 
         return forward
-
-    def _generate_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            if self._generating:
-                return inner(*args, **kwargs)
-            check_generation(self.model, args, kwargs)
-            first = self.tracker.stream + 1
-            self._generating += 1
-            self._synced = bool(setting(self.model, kwargs, "synced_gpus", False))
-            try:
-                out = inner(*args, **kwargs)
-            finally:
-                self._generating -= 1
-                self._synced = False
-            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-            if isinstance(sequences, torch.Tensor):
-                streams = range(first, self.tracker.stream + 1)
-                eos, prompt_mask = eos_token_ids(self.model, kwargs), kwargs.get("attention_mask")
-                for rec in self.recorders:
-                    rec.on_generate(streams, sequences, eos, prompt_mask if torch.is_tensor(prompt_mask) else None)
-            return out
-
-        return generate
 
     def _scope_wrapper(self, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
         """Open router call `i` in whichever of the router and its MoE block runs first, and intercept its calls.
