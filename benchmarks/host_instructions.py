@@ -86,7 +86,8 @@ def count(work: str, model_name: str, reps: int, helper: str) -> float:
     """Instructions per repetition of `work`, from a fresh process under callgrind."""
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null", sys.executable,
            __file__, "--child", work, model_name, str(reps), helper]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     found = re.search(r"Collected : (\d+)", out.stderr)
     if out.returncode != 0 or found is None:
