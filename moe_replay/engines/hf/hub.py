@@ -3,7 +3,10 @@
 Each outermost forward of the model is a `Step` (which positions it covers). Each router call opens a `RouterCall` in
 whichever of the router and its MoE block runs first: it gets its layer name, the plan its replayer gives it (and,
 under activation checkpointing, queues that plan for the recompute in the backward), and the selectors of its router
-(selectors.py) see the call's torch functions. When the call ends the replay is checked and the selection recorded.
+(selectors.py) see the call's torch functions. When the call ends the replay is checked and the selection recorded
+(and its selectors unlinked from it, so that nothing a call made waits for the garbage collector). A recording
+without replay, of a router class known to return its top-k indices, needs none of this: it reads them from the
+router's output.
 
 One hub per model holds the hooks for all active contexts, so that a recording nested in a replay sees the replayed
 experts; its hooks are removed with the last context. The hub itself (and the methods it patched) is kept with the
