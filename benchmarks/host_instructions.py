@@ -1,9 +1,11 @@
 """What recording and replay add to a small forward, in CPU instructions counted by valgrind: a measure of host work
 that does not move with the machine's state (timed ratios on a shared 2-core machine swing by 5-10% from run to run).
 
-    python benchmarks/host_instructions.py                     # tiny and realistic models (about 40 minutes, one core)
-    python benchmarks/host_instructions.py --models tiny       # one model (tiny: about 15 minutes); its rows replace
-                                                               # that model's rows in the CSV, the others are kept
+    python benchmarks/host_instructions.py                     # both models (about 75 minutes on one core)
+    python benchmarks/host_instructions.py --models tiny       # one model (tiny: about 15 minutes; a realistic row
+                                                               # takes about 20, two processes under valgrind)
+    python benchmarks/host_instructions.py --works "record generate"   # some works; rows run replace the same rows
+                                                                       # in the CSV, the others are kept
 
 Needs `valgrind` (callgrind), a C compiler and valgrind's `callgrind.h` (Debian: `apt install valgrind gcc`). Each
 work runs in its own process under `valgrind --tool=callgrind --instr-atstart=no`: the imports, the model build and
@@ -115,6 +117,7 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=["tiny", "realistic"], default=["tiny", "realistic"])
+    ap.add_argument("--works", nargs="+", choices=list(WORKS), default=list(WORKS), help="default: all three")
     ap.add_argument("--csv", type=Path, default=Path(__file__).with_name("results_host_instructions.csv"))
     args = ap.parse_args()
     layers = {"tiny": 4, "realistic": 8}
@@ -123,7 +126,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         helper = build_helper(Path(tmp))
         for model_name in models:
-            for work, (ours, plain, reps, per_layer) in WORKS.items():
+            for work in args.works:
+                ours, plain, reps, per_layer = WORKS[work]
                 reps = max(1, reps // (2 if model_name == "realistic" else 1))
                 a, b = count(ours, model_name, reps, helper), count(plain, model_name, reps, helper)
                 row = {
@@ -136,10 +140,10 @@ def main() -> int:
                 rows.append(row)
                 print(" | ".join(str(v) for v in row.values()), flush=True)
     out = args.csv
-    if out.exists():  # keep the rows of the models not run this time
+    if out.exists():  # keep the rows of the other works and models
         with out.open() as f:
-            kept = [r for r in csv.DictReader(f) if r["work"].split(", ")[-2] not in models]
-        rows = kept + rows
+            done = {r["work"] for r in rows}
+            rows = [r for r in csv.DictReader(f) if r["work"] not in done] + rows
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
