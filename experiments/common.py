@@ -24,6 +24,8 @@ from moe_replay.rl import DEFAULT_EPSILON, Rollout, Task, answer_logp, build_pol
 RESULTS = Path("experiments/results")  # the committed results; tests write elsewhere (--out)
 WARM_STARTS = Path("runs/warm_starts")  # warm-started policies, shared by the experiments that start from one
 BASE_TASK = Task("addition", 3)  # the task every experiment warm-starts on unless it says otherwise
+CHANCE = 0.1  # per-digit reward of random answers
+LEARNED = CHANCE + 0.05  # a warm start whose per-digit reward is below this has not learned its task
 LOW, HIGH = DEFAULT_EPSILON["token"]  # GRPO's clip band (DAPO's clip-higher): 0.2, 0.27
 
 

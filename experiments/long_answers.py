@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from common import parse_args, publish, write_table
+from common import LEARNED, parse_args, publish, write_table
 from matplotlib.figure import Figure
 
 from moe_replay.rl import TrainConfig, train
@@ -39,7 +39,6 @@ ARMS = {
 }
 HELDOUT = "eval/sampled/reward"
 TASK = "pair_sum"
-CHANCE = 0.1  # per-digit reward of a random answer
 PRESETS = {
     "quick": {
         "lengths": [4, 16],
@@ -137,7 +136,7 @@ def figure(frame: pd.DataFrame) -> Figure:
     axes = fig.subplots(1, 3)
     lengths = sorted(runs.answer_len.unique())
     start = runs.groupby("answer_len").start_reward_mean.first().reindex(lengths)
-    learned = (start > CHANCE + 0.05).to_numpy()  # per-digit reward clearly above chance
+    learned = (start > LEARNED).to_numpy()
     counts = runs.groupby("answer_len").seeds.max().reindex(lengths)
     ticks = [
         f"{n}\n{counts[n]} seed" + ("s" if counts[n] > 1 else "") + ("" if ok else ", at chance")

@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 from common import (
     HIGH,
+    LEARNED,
     LOW,
     WARM_STARTS,
     outside_clip,
@@ -56,7 +57,6 @@ SETTINGS = {
 }
 KL_TARGET = 1e-2  # nats per answer token per GRPO step: the median at lr 1e-4 in the base setting (mismatch runs)
 LR0 = 1e-4  # the calibration's learning rate
-CHANCE = 0.1  # per-digit reward of random answers
 PRESETS = {
     "quick": {
         "settings": ["base", "8 layers"],
@@ -183,7 +183,7 @@ def main() -> None:
             frames.append(pd.read_csv(done))
     warm = warm_rewards(p, args.runs / WARM_STARTS.name)
     write_table(warm, args.out / "scaling_warm_starts.csv")
-    at_chance = frozenset(warm.groupby("setting").warm_start_reward.mean().loc[lambda r: r < CHANCE + 0.05].index)
+    at_chance = frozenset(warm.groupby("setting").warm_start_reward.mean().loc[lambda r: r < LEARNED].index)
     columns = ["setting", "varies", "layers", "experts", "top_k", "answer_len", "seed", "lr", "calibrated_kl"]
     frame = pd.concat(frames, ignore_index=True)
     frame = frame[columns + [c for c in frame.columns if c not in columns]]

@@ -88,11 +88,8 @@ class Patches:
     def undo(self) -> None:
         """Remove every attribute, last first (idempotent)."""
         entries, self._entries = self._entries, []
-        for e in reversed(entries):  # `_Entry.remove`, inlined (this runs per context)
-            if e.had_own:
-                e.module.__dict__[e.attr] = e.previous
-            else:
-                e.module.__dict__.pop(e.attr, None)
+        for entry in reversed(entries):
+            entry.remove()
         if entries:
             self._undone = entries
         self._copyable.clear()

@@ -127,8 +127,7 @@ class RouteRecorder:
                 )
         dtype = index_dtype(max(layer.num_experts for layer in layers))
         indices = torch.stack([torch.cat([row[layer.name] for row in rows], 1).to(dtype) for layer in layers], 2)
-        first = rows[0][layers[0].name]
-        mask = torch.cat([step.real.to(first.device) for step in steps], 1)
+        mask = torch.cat([step.real.to(indices.device) for step in steps], 1)
         if T > end:  # the last sampled token of a generate is never forwarded
             indices = torch.cat([indices, indices.new_zeros(stream.batch, T - end, *indices.shape[2:])], 1)
             mask = torch.cat([mask, mask.new_zeros(stream.batch, T - end)], 1)
