@@ -91,7 +91,8 @@ class RouterCall:
 
 
 class Recorder(Protocol):
-    def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None: ...
+    def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None:
+        """`indices`: the top-k's own tensor ([B*t, K] or [B, t, K]), still the model's: copy what is kept."""
 
     def on_generate(
         self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None

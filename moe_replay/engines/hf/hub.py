@@ -144,7 +144,7 @@ class RouterHub:
             if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
                 return inner(*args, **kwargs)
             step = tracker.begin(inner, args, kwargs)
-            step.synced = self.synced
+            step.synced, step.generating = self.synced, self.generating > 0
             if step.grad is None and self.replayers:  # began without grad: a checkpoint around the model recomputes
                 step.grad = inside_reentrant_checkpoint()  # it (the stack above the model, walked once per forward)
             tracker.depth += 1
@@ -173,18 +173,18 @@ class RouterHub:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             call = self._calls[i]
-            if call is None and is_router and not self.replayers and self._fast_record(i) and not in_backward():
-                step = self.tracker.current
-                if step is not None:  # a recording read from the router's output: no call state, no interception
-                    layer = self._layer(i, step)
-                    return self._recorded(i, layer, step, inner(*args, **kwargs))
+            if call is None and is_router and not self.replayers:
+                j, step = self._fast_index(i), self.tracker.current
+                if j is not None and step is not None and not in_backward():  # a recording read from the router's
+                    layer = self._layer(i, step)  # output: no call state, no interception
+                    return self._recorded(i, layer, step, inner(*args, **kwargs), j)
             opened = call is None
             if opened:
                 call = self._calls[i] = self._begin(i)
             if is_router and not call.at_router:
                 call.at_router = True
                 self._at_router(call, args, kwargs)
-            fast = call.plan is None and not call.recompute and self._fast_record(i)
+            fast = call.plan is None and not call.recompute and self._fast_index(i) is not None
             intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
             redirected = None
             if intercept and is_router and self.facts[i].redirect.get(self.sites[i].router.training):
@@ -247,13 +247,11 @@ class RouterHub:
         self._occurrence[i] = (step, n)
         return f"{self.sites[i].name}#{n}" if n else self.sites[i].name
 
-    def _recorded(self, i: int, layer: str, step: Step, out: Any) -> Any:
-        """Record router `i`'s call from its output `out` (its element `RouterFacts.output_index` is the top-k's
-        indices) and return `out`."""
+    def _recorded(self, i: int, layer: str, step: Step, out: Any, j: int) -> Any:
+        """Record router `i`'s call from its output `out` (its element `j` is the top-k's indices) and return `out`."""
         found = outputs(out)
-        idx = found[self.facts[i].output_index[self.sites[i].router.training]]
-        idx = idx.reshape(step.batch, step.length, idx.shape[-1])
-        experts = num_scores(found, self.sites[i].logits_index)
+        idx = found[j]  # its own shape: reshaped when routes are built
+        experts = int(found[self.sites[i].logits_index].shape[-1])
         for rec in self.recorders:
             rec.record(layer, step, idx, experts)
         return out
@@ -276,17 +274,19 @@ class RouterHub:
         elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
             queue.add(Pending(self.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))
 
-    def _fast_record(self, i: int) -> bool:
-        """Whether call `i` can be recorded from the router's output alone (see `RouterFacts.output_index`)."""
-        return self.router_only[i] and self.facts[i].output_index.get(self.sites[i].router.training) is not None
+    def _fast_index(self, i: int) -> int | None:
+        """Where in router `i`'s output its top-k's indices are, if its call can be recorded from that alone (see
+        `RouterFacts.output_index`)."""
+        return self.facts[i].output_index.get(self.sites[i].router.training) if self.router_only[i] else None
 
     def _end(self, call: RouterCall) -> None:
         """Close a router call: check its replay, learn facts about its router class, record its selection."""
         i, router = call.index, call.site.router
         facts = self.facts[i]
         if call.plan is None and call.record and call.router_out is not None and not call.active:
-            if facts.output_index.get(router.training) is not None:  # recorded from the router's output
-                self._recorded(i, call.layer, call.step, call.router_out)
+            j = facts.output_index.get(router.training)
+            if j is not None:  # recorded from the router's output
+                self._recorded(i, call.layer, call.step, call.router_out, j)
                 return
         if not self.router_only[i] and call.active:
             self.router_only[i] = facts.topk_in_router = not call.outside_router
@@ -301,6 +301,5 @@ class RouterHub:
             facts.output_index[router.training] = next(
                 (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
             )
-        indices = idx.reshape(call.step.batch, call.step.length, idx.shape[-1])
         for rec in self.recorders:
-            rec.record(call.layer, call.step, indices, call.num_experts)
+            rec.record(call.layer, call.step, idx, call.num_experts)

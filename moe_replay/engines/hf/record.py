@@ -15,13 +15,62 @@ from .steps import Step
 
 @dataclass
 class _Stream:
-    """Routes of one sequence batch: the steps (prefill, then one per decode step) and each layer's indices."""
+    """Routes of one sequence batch: the steps (prefill, then one per decode step), each layer's indices and the
+    padding masks."""
 
     batch: int
     steps: list[Step] = field(default_factory=list)
-    per_step: list[dict[str, torch.Tensor]] = field(default_factory=list)  # [step][layer name] -> [B, t, K]
+    per_step: list[dict[str, torch.Tensor]] = field(default_factory=list)  # [step][layer name] -> [B*t, K] or [B, t, K]
+    masks: list[torch.Tensor] = field(default_factory=list)  # bool [B, t] pieces covering the steps from position 0
+    # decode steps of a generate whose padding is read once, from the latest of their masks (each step's mask is the
+    # whole generation's so far): (start, end, that mask or None if they had none, device)
+    tail: tuple[int, int, torch.Tensor | None, torch.device] | None = None
     final_len: int | None = None
     ended: torch.Tensor | None = None  # bool [B, T_total]: prompt padding, or at/after a row's EOS (generate)
+
+    def add_mask(self, step: Step) -> None:
+        """Keep `step`'s padding: copied now (the caller may reuse its mask buffer), except for a decode step of
+        `generate`, whose mask `generate` makes afresh each step and only extends: the latest one is kept, and read
+        when the generation ends (no tensor op per step)."""
+        mask, end = step.attention, step.start + step.length
+        if step.generating and step.start > 0 and (mask is None or mask.shape[1] == end):
+            tail = self.tail
+            if tail is None or tail[1] != step.start or (tail[2] is None) != (mask is None):
+                self.flush()
+                tail = (step.start, end, mask, step.device)
+            self.tail = (tail[0], end, mask, step.device)
+            step.attention = None  # only the latest mask is held
+            return
+        self.flush()
+        self.masks.append(step.real)
+
+    def flush(self) -> None:
+        """Copy the pending decode steps' padding out of the latest mask (and let go of it)."""
+        if self.tail is not None:
+            start, end, mask, device = self.tail
+            if mask is None:
+                self.masks.append(torch.ones(self.batch, end - start, dtype=torch.bool, device=device))
+            else:
+                self.masks.append(mask[:, start:end].to(torch.bool, copy=True))
+            self.tail = None
+
+
+def _joined(pieces: list[torch.Tensor], steps: list[Step], batch: int) -> torch.Tensor:
+    """One layer's indices [B, T, K] from its per-step pieces (the router's own shape): each run of one-position steps
+    with [B, K] pieces (decode steps) is stacked by one op, other pieces are reshaped to [B, t, K]."""
+    parts: list[torch.Tensor] = []
+    run: list[torch.Tensor] = []
+    for piece, step in zip(pieces, steps, strict=True):
+        if step.length == 1 and piece.dim() == 2 and piece.shape[0] == batch:
+            run.append(piece)
+            continue
+        if run:
+            parts.append(torch.stack(run, 1))
+            run = []
+        parts.append(piece.reshape(batch, step.length, piece.shape[-1]))
+    if run:
+        parts.append(torch.stack(run, 1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 class RouteRecorder:
@@ -52,13 +101,13 @@ class RouteRecorder:
         if stream is None:
             stream = self._streams[step.stream] = _Stream(step.batch)
         if not stream.steps or stream.steps[-1] is not step:
-            step.real  # noqa: B018  (the padding mask, copied now: the caller may reuse its mask buffer)
             stream.steps.append(step)
             stream.per_step.append({})
+            stream.add_mask(step)
         known = self._experts.setdefault(layer, num_experts)
         if known != num_experts:
             raise ValueError(f"router {layer!r} changed from E={known} to E={num_experts}")
-        stream.per_step[-1][layer] = indices.to(index_dtype(num_experts))
+        stream.per_step[-1][layer] = indices.to(index_dtype(num_experts))  # a copy: the model may reuse its tensor
 
     def on_generate(
         self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
@@ -69,6 +118,7 @@ class RouteRecorder:
             stream = self._streams.get(sid)
             if stream is None:
                 continue
+            stream.flush()  # generate's own masks are let go
             stream.final_len = sequences.shape[1]
             # With synced_gpus a rank whose rows all finished keeps running dummy forwards (from the last token on)
             # to stay in step with the others: they are not part of out.sequences.
@@ -105,8 +155,9 @@ class RouteRecorder:
 
     def _build(self, stream: _Stream) -> Routes:
         """The stream's `Routes`: its steps cover positions [0, end) one after another (a stream starts at 0 and each
-        forward continues where the last ended), so each layer's steps are joined by one `cat`, not placed one by
-        one (a generate has a step per new token)."""
+        forward continues where the last ended), so each layer's steps are joined by a few ops (`_joined`), not placed
+        one by one (a generate has a step per new token)."""
+        stream.flush()
         steps, rows = stream.steps, stream.per_step
         end = 0
         for step in steps:
@@ -126,8 +177,9 @@ class RouteRecorder:
                     f"routers {missing} recorded nothing at positions {step.start}..{step.start + step.length}"
                 )
         dtype = index_dtype(max(layer.num_experts for layer in layers))
-        indices = torch.stack([torch.cat([row[layer.name] for row in rows], 1).to(dtype) for layer in layers], 2)
-        mask = torch.cat([step.real.to(indices.device) for step in steps], 1)
+        B = stream.batch
+        indices = torch.stack([_joined([r[layer.name] for r in rows], steps, B).to(dtype) for layer in layers], 2)
+        mask = torch.cat(stream.masks, 1)[:, :end].to(indices.device)  # a new tensor: `&=` below leaves the pieces
         if T > end:  # the last sampled token of a generate is never forwarded
             indices = torch.cat([indices, indices.new_zeros(stream.batch, T - end, *indices.shape[2:])], 1)
             mask = torch.cat([mask, mask.new_zeros(stream.batch, T - end)], 1)

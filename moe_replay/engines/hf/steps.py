@@ -13,18 +13,21 @@ import torch
 class Step:
     """One top-level forward: `batch` rows at positions [start, start + length) of stream `stream`.
 
-    `real` is bool [B, length], False at padding (attention mask 0). `grad` is True when grad was enabled as the
-    forward began, else None until a replayed router call asks whether a reentrant checkpoint surrounds the forward.
+    `attention` is the forward's own 2-D attention mask, whose last `length` columns are this step's (a decode step
+    of `generate` gets the whole generation's mask so far). `real` is bool [B, length], False at padding (attention
+    mask 0). `grad` is True when grad was enabled as the forward began, else None until a replayed router call asks
+    whether a reentrant checkpoint surrounds the forward.
     """
 
     stream: int
     batch: int
     start: int
     length: int
-    attention: torch.Tensor | None  # the forward's own attention mask [B, length], if it had one
+    attention: torch.Tensor | None  # the forward's own attention mask [B, >= length], if it had one
     device: torch.device
     grad: bool | None = None
     synced: bool = False  # inside generate(synced_gpus=True)
+    generating: bool = False  # inside generate
     _real: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -36,8 +39,9 @@ class Step:
         """bool [B, length]: False at padding. Made on first use (a replayed forward never needs it; a recorder asks
         during the forward), as a copy, so that a mask buffer the caller reuses cannot change it afterwards."""
         if self._real is None:
-            if self.attention is not None:
-                self._real = self.attention.to(torch.bool, copy=True)
+            mask = self.attention
+            if mask is not None:
+                self._real = mask[:, mask.shape[1] - self.length :].to(torch.bool, copy=True)
             else:
                 self._real = torch.ones(self.batch, self.length, dtype=torch.bool, device=self.device)
             self.attention = None
@@ -101,10 +105,8 @@ class StepTracker:
             start = 0
         self.cursor, self.batch = start + t, B
         mask = _lookup(bound, "attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B and mask.shape[1] >= t:
-            mask = mask[:, -t:]
-        else:
-            mask = None
+        if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B and mask.shape[1] >= t):
+            mask = None  # sliced to the step's columns only if a recorder asks (`Step.real`)
         grad = True if torch.is_grad_enabled() else None
         self.current = Step(self.stream, B, start, t, mask, tokens.device, grad=grad)
         return self.current
