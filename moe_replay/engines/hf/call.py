@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from ...errors import ReplayError
 from .discover import RouterSite
 from .redirect import caller_code
-from .selectors import TOPK_FUNCS, Selector
+from .selectors import TOPK_FUNCS, Selector, topk_args
 from .steps import Step
 
 
@@ -51,7 +51,8 @@ class RouterCall:
     router_out: Any = None
     outside_router: bool = False  # an intercepted call ran in the MoE block, outside the router
     intercepting: bool = False
-    topk_sites: list[tuple[Any, Any]] | None = None  # (top-k function, caller code) seen by the mode, while learning
+    # (top-k function, caller code, whether it ranks each token's scores) seen by the mode, while learning
+    topk_sites: list[tuple[Any, Any, bool]] | None = None
 
     @property
     def active(self) -> bool:
@@ -132,6 +133,9 @@ class InterceptMode(TorchFunctionMode):
         self.call, self.in_router = call, in_router
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        if func in TOPK_FUNCS and self.call.topk_sites is not None:  # only until redirect.py's fact is learned
-            self.call.topk_sites.append((func, caller_code()))
+        call = self.call
+        if func in TOPK_FUNCS and call.topk_sites is not None:  # only until redirect.py's fact is learned
+            x, _, last = topk_args(args, kwargs or {})
+            per_token = last and call.step is not None and x.numel() == call.step.tokens * x.shape[-1]
+            call.topk_sites.append((func, caller_code(), per_token))
         return dispatch(self.call, func, args, kwargs or {}, self.in_router)

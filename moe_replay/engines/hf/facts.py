@@ -22,13 +22,14 @@ class RouterFacts:
       interception can skip the block, whose experts run many ops. None until seen.
     - `output_index`: per training mode, the position j in the router's output that *is* the selecting top-k's
       indices tensor (None: no output is), so a recording without replay can read it and skip interception.
-    - `redirect`: per training mode, whether its only top-k is a `torch.topk` in its class's own `forward`, so
-      interception can redirect that one call instead of running the router under a mode (redirect.py).
+    - `redirect`: per training mode, how many top-k calls over each token's scores it makes, if every one is a
+      `torch.topk` in its class's own `forward` (else 0), so that interception can redirect those calls instead of
+      running the router under a mode (redirect.py).
     """
 
     topk_in_router: bool | None = None
     output_index: dict[bool, int | None] = field(default_factory=dict)
-    redirect: dict[bool, bool] = field(default_factory=dict)
+    redirect: dict[bool, int] = field(default_factory=dict)
     forward: object = None  # the class's `forward` they were learned on: a class patched since starts afresh
 
     def __getstate__(self) -> dict:

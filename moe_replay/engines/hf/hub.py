@@ -168,7 +168,8 @@ class RouterHub:
         intercepts in the whole block; when every top-k it saw ran inside the router, later calls intercept in the
         router alone (cheaper: the experts' ops then skip the Python-level TorchFunctionMode), and later contexts on
         the model wrap the router alone. A router whose only top-k is a `torch.topk` in its own forward then runs a
-        redirected copy of that forward instead of the mode (redirect.py)."""
+        redirected copy of that forward instead of the mode (redirect.py); so does a group-limited router whose top-k
+        calls over each token's scores are all `torch.topk` calls there."""
         is_router = logits_index is not None
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -186,12 +187,15 @@ class RouterHub:
                 self._at_router(call, args, kwargs)
             fast = call.plan is None and not call.recompute and self._fast_index(i) is not None
             intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
-            redirected = None
-            if intercept and is_router and self.facts[i].redirect.get(self.sites[i].router.training):
-                redirected = self._redirects.forward(self.sites[i].router, inner)
+            redirected, ranked = None, 0
+            if intercept and is_router:
+                ranked = self.facts[i].redirect.get(self.sites[i].router.training, 0)
+                if ranked:
+                    redirected = self._redirects.forward(self.sites[i].router, inner)
             if intercept and not call.selectors:  # made only for a call that intercepts (not a fast recording)
-                makers = self.selectors[i]  # a redirected top-k goes to the plain one, the last
-                call.selectors = [makers[-1](call)] if redirected is not None else [make(call) for make in makers]
+                makers = self.selectors[i]  # a redirected router's one top-k goes to the plain one, the last
+                one = redirected is not None and ranked == 1
+                call.selectors = [makers[-1](call)] if one else [make(call) for make in makers]
             self._in_router[i] += is_router
             try:
                 if redirected is not None:  # only the router's own torch.topk is intercepted
@@ -291,8 +295,8 @@ class RouterHub:
         if not self.router_only[i] and call.active:
             self.router_only[i] = facts.topk_in_router = not call.outside_router
         if call.topk_sites and self.router_only[i] and router.training not in facts.redirect:
-            plain = bool(call.selectors) and type(call.selectors[-1]) is TopK  # a redirected top-k goes to it
-            facts.redirect[router.training] = plain and redirectable(router, call.topk_sites)
+            plain = bool(call.selectors) and type(call.selectors[-1]) is TopK  # redirected top-k calls go to the
+            facts.redirect[router.training] = redirectable(router, call.topk_sites) if plain else 0  # top-k selectors
         call.check_replayed()
         if not call.record:
             return

@@ -2,10 +2,12 @@
 
 A `TorchFunctionMode` sends every op of the router (the gate's linear, softmax, casts, the top-k, the normalisation)
 through Python: tens of microseconds per router call on the host. Most routers select their experts with one
-`torch.topk(...)` written in their own `forward`. For those, the hub runs a copy of that forward whose module-level
-name `torch` is a proxy: every attribute is torch's own, except `topk`, which hands the call to the selectors. Which
-routers qualify is learned from a call under the mode (`topk_sites`): exactly one top-k, a `torch.topk` call whose
-frame is the class's own undecorated `forward`. Any other router keeps the mode.
+`torch.topk(...)` written in their own `forward`, and group-limited ones (DeepSeek-style) pick the groups by another.
+For those, the hub runs a copy of that forward whose module-level name `torch` is a proxy: every attribute is
+torch's own, except `topk`, which hands the call to the selectors. Which routers qualify is learned from a call under
+the mode (`topk_sites`): every top-k over each token's scores (the only ones a selector acts on) is a `torch.topk`
+call whose frame is the class's own undecorated `forward`. Other top-k calls (a group's best two scores, ranked over
+[tokens, groups, experts per group]) then run as they are. Any other router keeps the mode.
 """
 
 from __future__ import annotations
@@ -37,19 +39,20 @@ def caller_code() -> types.CodeType | None:
     return None if frame is None else frame.f_code
 
 
-def redirectable(router: nn.Module, sites: list[tuple[Any, types.CodeType | None]]) -> bool:
-    """Whether `router`'s top-k calls seen in one call (`sites`: (torch function, caller code) pairs) are exactly one
-    `torch.topk` written in its class's own `forward` (whose module-level `torch` the proxy can replace).
+def redirectable(router: nn.Module, sites: list[tuple[Any, types.CodeType | None, bool]]) -> int:
+    """How many top-k calls over each token's scores `router` made in one call, if each is a `torch.topk` written
+    in its class's own `forward` (whose module-level `torch` the proxy can replace); else 0. `sites`: (torch function,
+    caller code, whether it ranked each token's scores) per top-k call seen.
 
     Example:
-        >>> redirectable(router, [(torch.topk, type(router).forward.__code__)])  # doctest: +SKIP
-        True
+        >>> redirectable(router, [(torch.topk, type(router).forward.__code__, True)])  # doctest: +SKIP
+        1
     """
     forward = type(router).forward
-    if len(sites) != 1 or not isinstance(forward, types.FunctionType):
-        return False
-    func, code = sites[0]
-    return func is torch.topk and code is forward.__code__ and bool(_torch_names(forward))
+    ranked = [(func, code) for func, code, per_token in sites if per_token]
+    if not ranked or not isinstance(forward, types.FunctionType) or not _torch_names(forward):
+        return 0
+    return len(ranked) if all(f is torch.topk and c is forward.__code__ for f, c in ranked) else 0
 
 
 def _torch_names(func: types.FunctionType) -> list[str]:
@@ -114,8 +117,13 @@ class Redirects:
             self._call = None
 
     def _topk(self, *args: Any, **kwargs: Any) -> Any:
-        """`torch.topk` as a redirected forward sees it: the call's plain top-k selector (the last) runs it."""
+        """`torch.topk` as a redirected forward sees it: the first of the call's selectors that claims it runs it."""
         call = self._call
         if call is None:
             return torch.topk(*args, **kwargs)
-        return call.selectors[-1].run(torch.topk, args, kwargs)
+        selectors = call.selectors
+        if len(selectors) > 1:  # a group top-k's selector first
+            for selector in selectors[:-1]:
+                if selector.claims(torch.topk, args, kwargs):
+                    return selector.run(torch.topk, args, kwargs)
+        return selectors[-1].run(torch.topk, args, kwargs)

@@ -16,7 +16,7 @@ from helpers import perturb, sampled
 from transformers.utils import logging
 
 from moe_replay import UnsupportedModelError, find_routers, record_routes, replay_routes
-from moe_replay.engines.hf import UNSUPPORTED
+from moe_replay.engines.hf import UNSUPPORTED, router_facts
 
 logging.set_verbosity_error()
 
@@ -138,6 +138,16 @@ def test_replay_forces_recorded_experts_after_update(family):
     assert used.routes.equal(routes)
     assert not live.equal(routes), "perturbing every weight changed no expert choice: the check would be vacuous"
     assert not torch.equal(live_logits, forced_logits)
+    # redirected top-k calls (redirect.py, learned in the first call) replay exactly as the TorchFunctionMode path
+    facts = list(router_facts(model).values())
+    learned = [dict(f.redirect) for f in facts]
+    logits = {}
+    for path in ("redirect", "mode"):
+        for f, r in zip(facts, learned, strict=True):
+            f.redirect = r if path == "redirect" else dict.fromkeys(r, 0)
+        with replay_routes(model, routes):
+            logits[path] = model(ids, attention_mask=mask).logits
+    assert torch.equal(logits["redirect"], logits["mode"]) and torch.equal(logits["mode"], forced_logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import torch
 from families import build_tiny_model
+from helpers import perturb
 
 from moe_replay import record_routes, replay_routes
 from moe_replay.engines.hf.facts import router_facts
+from moe_replay.engines.hf.selectors import GroupTopK
 
 
 def facts_of(model):  # noqa: ANN001, ANN202
@@ -20,9 +22,9 @@ def gates(model):  # noqa: ANN001, ANN202
     return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
 
 
-def replayed(model, routes, ids, redirect: bool | None):  # noqa: ANN001, ANN202
+def replayed(model, routes, ids, redirect: int | None):  # noqa: ANN001, ANN202
     """Logits and router-weight gradients of a replayed forward + backward; `redirect` forces the path (None: as
-    learned)."""
+    learned; 0: the mode, else the number of ranked top-k calls redirected)."""
     if redirect is not None:
         facts_of(model).redirect[model.training] = redirect
     model.zero_grad()
@@ -39,23 +41,44 @@ def test_a_plain_topk_router_is_redirected_and_replays_like_the_mode_path():
     with torch.no_grad(), record_routes(model) as rec:
         live = model(ids).logits
     first, _ = replayed(model, rec.routes, ids, None)  # learns, per training mode, that the top-k qualifies
-    assert facts_of(model).redirect == {True: True}
-    fast, fast_grads = replayed(model, rec.routes, ids, True)
-    mode, mode_grads = replayed(model, rec.routes, ids, False)
+    assert facts_of(model).redirect == {True: 1}
+    fast, fast_grads = replayed(model, rec.routes, ids, 1)
+    mode, mode_grads = replayed(model, rec.routes, ids, 0)
     assert torch.equal(fast, live) and torch.equal(fast, mode) and torch.equal(first, live)
     assert all(torch.equal(a, b) for a, b in zip(fast_grads, mode_grads, strict=True))
     assert all(g.abs().sum() > 0 for g in fast_grads)  # the router still gets gradients
 
 
+def test_a_group_limited_router_is_redirected_and_steers_its_groups_like_the_mode_path(monkeypatch):
+    """DeepSeek-V2's group-limited greedy routing makes three top-k calls: each group's best score (over [tokens,
+    groups, experts per group], a method call left as it is), the groups, then the experts (both `torch.topk` in its
+    forward). Replayed on a changed model, the group top-k must keep the recorded experts' groups, or their weights
+    are masked to zero: the redirected path steers it as the mode path does."""
+    model = build_tiny_model("deepseek_v2").train()
+    ids = torch.randint(5, 100, (2, 10))
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids)
+    perturb(model, scale=1.0)  # the live groups are no longer the recorded ones
+    first, _ = replayed(model, rec.routes, ids, None)  # learns that both ranked top-k calls qualify
+    assert facts_of(model).redirect == {True: 2}
+    fast, fast_grads = replayed(model, rec.routes, ids, 2)
+    mode, mode_grads = replayed(model, rec.routes, ids, 0)
+    assert torch.equal(fast, mode) and torch.equal(first, mode)
+    assert all(torch.equal(a, b) for a, b in zip(fast_grads, mode_grads, strict=True))
+    monkeypatch.setattr(GroupTopK, "claims", lambda *a: False)  # control: without steering the groups, it differs
+    unsteered, _ = replayed(model, rec.routes, ids, 2)
+    assert not torch.equal(unsteered, mode)
+
+
 def test_routers_that_do_not_qualify_keep_the_mode():
-    # group-limited routing: two top-k calls (groups, then experts), steered by the mode
-    model = build_tiny_model("deepseek_v3")
     ids = torch.randint(5, 100, (2, 8))
+    # a top-k called as a tensor method (GraniteMoE), which the proxy for `torch` cannot see
+    model = build_tiny_model("granitemoe")
     with torch.no_grad(), record_routes(model) as rec:
         live = model(ids).logits
     with torch.no_grad(), replay_routes(model, rec.routes):
         assert torch.equal(model(ids).logits, live)
-    assert not any(f.redirect.get(False) for f in router_facts(model).values())
+    assert [f.redirect for f in router_facts(model).values()] == [{False: 0}]
 
     # a wrapper in front of the router's forward (as accelerate's hooks install): redirecting would bypass it
     model = build_tiny_model("qwen3_moe")
@@ -95,4 +118,4 @@ def test_routers_that_do_not_qualify_keep_the_mode():
     for _ in range(2):
         with torch.no_grad(), replay_routes(model, rec.routes):
             assert torch.equal(model(ids).logits, live)
-    assert router_facts(model)[HelperTopK].redirect == {False: False}
+    assert router_facts(model)[HelperTopK].redirect == {False: 0}
