@@ -6,6 +6,8 @@ that does not move with the machine's state (timed ratios on a shared 2-core mac
                                                                # takes about 20, two processes under valgrind)
     python benchmarks/host_instructions.py --works "record generate"   # some works; rows run replace the same rows
                                                                        # in the CSV, the others are kept
+    python benchmarks/host_instructions.py --models group --works "replay forward"   # group-limited routing
+                                                                       # (DeepSeek-V3 of the tiny shape)
 
 Needs `valgrind` (callgrind), a C compiler and valgrind's `callgrind.h` (Debian: `apt install valgrind gcc`). Each
 work runs in its own process under `valgrind --tool=callgrind --instr-atstart=no`: the imports, the model build and
@@ -42,6 +44,22 @@ WORKS = {  # name: (ours, plain, repetitions on the tiny model, router calls per
 }
 
 
+def build_group() -> object:
+    """A DeepSeek-V3 of the tiny model's shape (4 layers, hidden 64, 16 experts, top-2), with group-limited routing:
+    4 groups of 4 experts, the best 2 groups kept; seed 0, a 1024-token vocabulary."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0,
+    )  # fmt: skip
+    return DeepseekV3ForCausalLM(config).eval()
+
+
 def child(work: str, model_name: str, reps: int, helper: str) -> None:
     """Run `work` `reps` times with callgrind counting (this process runs under valgrind)."""
     import torch
@@ -50,7 +68,7 @@ def child(work: str, model_name: str, reps: int, helper: str) -> None:
     from moe_replay import record_routes, replay_routes
 
     torch.set_num_threads(1)
-    model = build(TINY if model_name == "tiny" else REALISTIC, "cpu")
+    model = build_group() if model_name == "group" else build(TINY if model_name == "tiny" else REALISTIC, "cpu")
     ids = torch.randint(1, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
@@ -116,11 +134,11 @@ def main() -> int:
         child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", choices=["tiny", "realistic"], default=["tiny", "realistic"])
+    ap.add_argument("--models", nargs="+", choices=["tiny", "realistic", "group"], default=["tiny", "realistic"])
     ap.add_argument("--works", nargs="+", choices=list(WORKS), default=list(WORKS), help="default: all three")
     ap.add_argument("--csv", type=Path, default=Path(__file__).with_name("results_host_instructions.csv"))
     args = ap.parse_args()
-    layers = {"tiny": 4, "realistic": 8}
+    layers = {"tiny": 4, "realistic": 8, "group": 4}
     models = args.models
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
