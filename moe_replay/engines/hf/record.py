@@ -39,7 +39,8 @@ class _Stream:
                 self.flush()
                 tail = (step.start, end, mask, step.device)
             self.tail = (tail[0], end, mask, step.device)
-            step.attention = None  # only the latest mask is held
+            if len(self.steps) > 1:  # every recorder has read the step before: only the latest mask is held
+                self.steps[-2].attention = None
             return
         self.flush()
         self.masks.append(step.real)

@@ -206,8 +206,8 @@ def test_a_reused_mask_buffer_does_not_change_what_was_recorded(qwen):
 def test_decode_step_masks_are_read_at_the_end_of_a_generate_as_they_were(qwen):
     """Inside `generate` the padding of decode steps is read once, from the latest mask: a hand-written decode loop
     run as the model's `generate` (a step without a mask, a step whose mask covers the new position alone, a padded
-    decode position) records what the same loop records step by step, also after the caller refills its prompt
-    mask buffer."""
+    decode position) records what the same loop records step by step, in each of two recorders, also after the
+    caller refills its prompt mask buffer."""
     from transformers import DynamicCache
 
     def loop(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -232,11 +232,12 @@ def test_decode_step_masks_are_read_at_the_end_of_a_generate_as_they_were(qwen):
         if as_generate:
             qwen.generate = loop  # the hub wraps it as the model's generate
         try:
-            with torch.no_grad(), record_routes(qwen) as rec:
+            with torch.no_grad(), record_routes(qwen) as rec, record_routes(qwen) as inner:  # two recorders
                 seq = qwen.generate(ids, mask) if as_generate else loop(ids, mask)
         finally:
             qwen.__dict__.pop("generate", None)
         mask.fill_(1)  # the caller reuses its buffer before reading the routes
+        assert inner.routes.equal(rec.routes)
         got.append((seq, rec.routes))
     (seq, a), (same, b) = got
     assert same.equal(seq) and b.shape[1] == seq.shape[1] == a.shape[1] + 1 and b.indices[:, :-1].equal(a.indices)
