@@ -157,10 +157,13 @@ class GroupTopK(Selector):
                 f"router {self.call.layer!r} keeps topk_group={k} of {G} expert groups, but the routes use "
                 f"{plan.groups_used(G)} groups for one token"
             )
-        groups = plan.indices.to(x.device) // (plan.num_experts // G)
-        need = torch.zeros(flat.shape, dtype=torch.bool, device=x.device).scatter_(-1, groups, True)
-        need &= plan.mask.to(x.device)[:, None]
-        idx = torch.topk(flat.masked_fill(need, float("inf")), k, dim=-1).indices
+        indices = plan.indices
+        if indices.device != x.device:
+            indices = indices.to(x.device)
+        steered = flat.scatter(-1, indices // (plan.num_experts // G), float("inf"))  # the recorded experts' groups
+        if not plan.all_recorded:
+            steered = torch.where(plan.mask.to(x.device)[:, None], steered, flat)
+        idx = torch.topk(steered, k, dim=-1).indices
         idx = idx.reshape(*x.shape[:-1], k)
         self.steered += 1
         return torch.return_types.topk((x.gather(-1, idx), idx))
