@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -11,6 +12,11 @@ from torch import nn
 from ...routes import LayerInfo, Routes, index_dtype
 from .hub import RouterHub
 from .steps import Step
+
+# index dtype -> the tensor method that converts to it (`.byte()` parses no arguments: cheaper than `.to(dtype)`)
+_NARROW = MappingProxyType(
+    {torch.uint8: torch.Tensor.byte, torch.int16: torch.Tensor.short, torch.int32: torch.Tensor.int}
+)
 
 
 @dataclass
@@ -108,7 +114,8 @@ class RouteRecorder:
         known = self._experts.setdefault(layer, num_experts)
         if known != num_experts:
             raise ValueError(f"router {layer!r} changed from E={known} to E={num_experts}")
-        stream.per_step[-1][layer] = indices.to(index_dtype(num_experts))  # a copy: the model may reuse its tensor
+        dtype = index_dtype(num_experts)  # a copy either way: the model may change its tensor later
+        stream.per_step[-1][layer] = indices.clone() if indices.dtype == dtype else _NARROW[dtype](indices)
 
     def on_generate(
         self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
