@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from ...errors import ReplayError
 from .discover import RouterSite
 from .redirect import caller_code
-from .selectors import TOPK_FUNCS, Selector, topk_args
+from .selectors import TOPK_FUNCS, Selector, dispatch, topk_args
 from .steps import Step
 
 
@@ -115,15 +115,6 @@ def num_scores(output: Any, index: int) -> int:
     return int(logits.shape[-1])
 
 
-def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict, in_router: Callable[[], bool]) -> Any:
-    """Run torch function `func` of router call `call`: by the first selector that claims it, else as is."""
-    for selector in call.selectors:
-        if func in selector.funcs and selector.claims(func, args, kwargs):
-            call.outside_router |= not in_router()
-            return selector.run(func, args, kwargs)
-    return func(*args, **kwargs)
-
-
 class InterceptMode(TorchFunctionMode):
     """Hands each torch function a selector of `call` intercepts to the first selector that claims it, and notes
     where each top-k was called from (redirect.py)."""
@@ -133,9 +124,9 @@ class InterceptMode(TorchFunctionMode):
         self.call, self.in_router = call, in_router
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        call = self.call
+        call, kwargs = self.call, kwargs or {}
         if func in TOPK_FUNCS and call.topk_sites is not None:  # only until redirect.py's fact is learned
-            x, _, last = topk_args(args, kwargs or {})
+            x, _, last = topk_args(args, kwargs)
             per_token = last and call.step is not None and x.numel() == call.step.tokens * x.shape[-1]
             call.topk_sites.append((func, caller_code(), per_token))
-        return dispatch(self.call, func, args, kwargs or {}, self.in_router)
+        return dispatch(call, func, args, kwargs, self.in_router)

@@ -255,7 +255,7 @@ class RouterHub:
         """Record router `i`'s call from its output `out` (its element `j` is the top-k's indices) and return `out`."""
         found = outputs(out)
         idx = found[j]  # its own shape: reshaped when routes are built
-        experts = int(found[self.sites[i].logits_index].shape[-1])
+        experts = num_scores(found, self.sites[i].logits_index)
         for rec in self.recorders:
             rec.record(layer, step, idx, experts)
         return out
@@ -295,8 +295,9 @@ class RouterHub:
         if not self.router_only[i] and call.active:
             self.router_only[i] = facts.topk_in_router = not call.outside_router
         if call.topk_sites and self.router_only[i] and router.training not in facts.redirect:
-            plain = bool(call.selectors) and type(call.selectors[-1]) is TopK  # redirected top-k calls go to the
-            facts.redirect[router.training] = redirectable(router, call.topk_sites) if plain else 0  # top-k selectors
+            # redirected top-k calls go to the top-k selectors, so the last must be the plain one
+            plain = bool(call.selectors) and type(call.selectors[-1]) is TopK
+            facts.redirect[router.training] = redirectable(router, call.topk_sites) if plain else 0
         call.check_replayed()
         if not call.record:
             return

@@ -41,10 +41,12 @@ class _Stream:
         mask, end = step.attention, step.start + step.length
         if step.generating and step.start > 0 and (mask is None or mask.shape[1] == end):
             tail = self.tail
-            if tail is None or tail[1] != step.start or (tail[2] is None) != (mask is None):
+            if tail is not None and tail[1] == step.start and (tail[2] is None) == (mask is None):
+                start = tail[0]  # the pending run goes on
+            else:
                 self.flush()
-                tail = (step.start, end, mask, step.device)
-            self.tail = (tail[0], end, mask, step.device)
+                start = step.start
+            self.tail = (start, end, mask, step.device)
             if len(self.steps) > 1:  # every recorder has read the step before: only the latest mask is held
                 self.steps[-2].attention = None
             return

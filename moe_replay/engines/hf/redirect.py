@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .selectors import dispatch
+
 _TORCH_DIR = torch.__file__.rpartition("/")[0] + "/"
 
 
@@ -90,6 +92,10 @@ def redirected_forward(forward: types.FunctionType, topk: Callable[..., Any]) ->
     return copy
 
 
+def _inside() -> bool:
+    return True  # a redirected top-k runs in the router's own forward
+
+
 class Redirects:
     """One hub's redirected router forwards (per router class) and the router call running inside one."""
 
@@ -121,9 +127,6 @@ class Redirects:
         call = self._call
         if call is None:
             return torch.topk(*args, **kwargs)
-        selectors = call.selectors
-        if len(selectors) > 1:  # a group top-k's selector first
-            for selector in selectors[:-1]:
-                if selector.claims(torch.topk, args, kwargs):
-                    return selector.run(torch.topk, args, kwargs)
-        return selectors[-1].run(torch.topk, args, kwargs)
+        if len(call.selectors) == 1:  # the plain top-k selector alone (a router with one top-k)
+            return call.selectors[0].run(torch.topk, args, kwargs)
+        return dispatch(call, torch.topk, args, kwargs, _inside)  # a group top-k's selector first

@@ -14,6 +14,7 @@ live router scores and the router keeps its gradient. A new routing rule is one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -171,6 +172,16 @@ class GroupTopK(Selector):
     @property
     def active(self) -> bool:
         return self.steered > 0
+
+
+def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict, in_router: Callable[[], bool]) -> Any:
+    """Run torch function `func` of router call `call`: by the first of its selectors that claims it, else as is
+    (`in_router()`: whether the router module itself is running, else the call ran in its MoE block)."""
+    for selector in call.selectors:
+        if func in selector.funcs and selector.claims(func, args, kwargs):
+            call.outside_router |= not in_router()
+            return selector.run(func, args, kwargs)
+    return func(*args, **kwargs)
 
 
 def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan, observe: bool = False) -> Any:
