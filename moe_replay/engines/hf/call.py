@@ -20,9 +20,10 @@ from .steps import Step
 class Plan:
     """The routes one router call must use: `indices` [N, K] int64, `mask` [N] bool (False routes live).
 
-    `on_live`, when set, is called once per forward call (not its recompute) with the experts the router would have
-    picked live and those it was given, both [N, K] (`replay_routes(..., track_live=True)`). `groups_used(G)` is
-    the most of G expert groups any recorded token of this layer uses (checked by group-limited routers).
+    `source` is the replayer that made it, for layer `layer` of its routes. With `observe`, `on_live` is called once
+    per forward call (not its recompute) with the experts the router would have picked live and those it was given,
+    both [N, K] (`replay_routes(..., track_live=True)`). `groups_used(G)` is the most of G expert groups any
+    recorded token of this layer uses (checked by group-limited routers).
     """
 
     indices: torch.Tensor
@@ -30,8 +31,15 @@ class Plan:
     num_experts: int
     top_k: int
     all_recorded: bool
-    on_live: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-    groups_used: Callable[[int], int] | None = None
+    source: Any = None
+    layer: int = 0
+    observe: bool = False
+
+    def on_live(self, live: torch.Tensor, used: torch.Tensor) -> None:
+        self.source.tally(self.layer, self.mask, live, used)
+
+    def groups_used(self, G: int) -> int:
+        return 0 if self.source is None else self.source.groups_used(self.layer, G)
 
 
 @dataclass(slots=True)
@@ -64,17 +72,19 @@ class RouterCall:
         plan = self.plan
         if plan is None:
             return
-        if self.num_experts is not None and self.num_experts != plan.num_experts:
-            raise ReplayError(
-                f"router {self.layer!r} has E={self.num_experts} experts but the routes hold "
-                f"E={plan.num_experts} for it"
-            )
-        if not any(s.applied() for s in self.selectors):
-            raise ReplayError(
-                f"replay could not be applied at {self.layer!r} ({type(self.site.router).__name__}): the routes hold "
-                f"k={plan.top_k} of E={plan.num_experts} experts for each of the forward's {self.step.tokens} "
-                f"tokens, but {self._seen()}"
-            )
+        check_experts(self.layer, self.num_experts, plan)
+        for s in self.selectors:
+            if s.applied():
+                return
+        raise not_applied(self.layer, self.site.router, plan, self.step.tokens, self._seen())
+
+    def redirected_topk(self, args: tuple, kwargs: dict) -> Any:
+        """A `torch.topk` call of the router's redirected forward (redirect.py): the first of the call's selectors
+        that claims it runs it."""
+        selectors = self.selectors
+        if len(selectors) == 1:  # the plain top-k selector alone (a router with one top-k)
+            return selectors[0].run(torch.topk, args, kwargs)
+        return dispatch(self, torch.topk, args, kwargs, _inside)  # a group top-k's selector first
 
     def selected(self) -> tuple[torch.Tensor, bool]:
         """(the experts the call selected, with last dim K; whether that tensor is the router's own top-k output)."""
@@ -91,6 +101,26 @@ class RouterCall:
         return "; ".join(d for d in (s.describe() for s in self.selectors) if d)
 
 
+def _inside() -> bool:
+    return True  # a redirected top-k runs in the router's own forward
+
+
+def check_experts(layer: str, num_experts: int | None, plan: Plan) -> None:
+    """Raise `ReplayError` if the router's E (read from its logits; None: unknown) is not the routes' E."""
+    if num_experts is not None and num_experts != plan.num_experts:
+        raise ReplayError(
+            f"router {layer!r} has E={num_experts} experts but the routes hold E={plan.num_experts} for it"
+        )
+
+
+def not_applied(layer: str, router: torch.nn.Module, plan: Plan, tokens: int, seen: str) -> ReplayError:
+    """The error of a replayed router call whose experts the plan did not decide (`seen`: what its selectors saw)."""
+    return ReplayError(
+        f"replay could not be applied at {layer!r} ({type(router).__name__}): the routes hold k={plan.top_k} of "
+        f"E={plan.num_experts} experts for each of the forward's {tokens} tokens, but {seen}"
+    )
+
+
 class Recorder(Protocol):
     def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None:
         """`indices`: the top-k's own tensor ([B*t, K] or [B, t, K]), still the model's: copy what is kept."""
@@ -101,6 +131,8 @@ class Recorder(Protocol):
 
 
 class Replayer(Protocol):
+    track_live: bool  # whether its plans count the live picks (`Plan.observe`)
+
     def plan(self, layer: str, step: Step) -> Plan | None: ...
 
 

@@ -29,6 +29,7 @@ from .call import InterceptMode, Recorder, Replayer, RouterCall, num_scores, out
 from .discover import RouterSite
 from .facts import facts_for, signature_cache
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
+from .lane import run_lane
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
 from .recompute import Pending, RecomputeQueue, fingerprint, inside_reentrant_checkpoint, will_be_recomputed
@@ -174,11 +175,24 @@ class RouterHub:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             call = self._calls[i]
-            if call is None and is_router and not self.replayers:
-                j, step = self._fast_index(i), self.tracker.current
-                if j is not None and step is not None and not in_backward():  # a recording read from the router's
-                    layer = self._layer(i, step)  # output: no call state, no interception
-                    return self._recorded(i, layer, step, inner(*args, **kwargs), j)
+            if call is None and is_router:
+                step = self.tracker.current
+                if not self.replayers:
+                    j = self._fast_index(i)
+                    if j is not None and step is not None and not in_backward():  # a recording read from the
+                        layer = self._layer(i, step)  # router's output: no call state, no interception
+                        return self._recorded(i, layer, step, inner(*args, **kwargs), j)
+                elif not self.recorders:
+                    lane = self._lane(i, inner, step)
+                    if lane is not None:  # a replay alone, of a redirected router: lane.py
+                        layer = self._layer(i, step)
+                        plan = self.replayers[-1].plan(layer, step)
+                        if plan is None:  # a dummy forward past the routes: routed live
+                            return inner(*args, **kwargs)
+                        router = self.sites[i].router
+                        return run_lane(
+                            self._redirects, lane, router, layer, plan, step.tokens, logits_index, args, kwargs
+                        )
             opened = call is None
             if opened:
                 call = self._calls[i] = self._begin(i)
@@ -200,7 +214,7 @@ class RouterHub:
             try:
                 if redirected is not None:  # only the router's own torch.topk is intercepted
                     call.intercepting = True
-                    out = self._redirects.run(call, redirected, self.sites[i].router, args, kwargs)
+                    out = self._redirects.run(call.redirected_topk, redirected, self.sites[i].router, args, kwargs)
                 elif intercept:
                     call.intercepting = True
                     with InterceptMode(call, lambda: self._in_router[i] > 0):
@@ -277,6 +291,17 @@ class RouterHub:
                 )
         elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
             queue.add(Pending(self.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))
+
+    def _lane(self, i: int, inner: Callable[..., Any], step: Step | None) -> Any:
+        """The redirected forward of router `i` if its call in `step` can run in the replay lane (lane.py): its one
+        top-k over each token's scores is redirected, and the call has nothing to record, no recompute to queue for
+        and no live picks to count; else None."""
+        router = self.sites[i].router
+        if step is None or not self.router_only[i] or self.facts[i].redirect.get(router.training, 0) != 1:
+            return None
+        if in_backward() or self.replayers[-1].track_live or will_be_recomputed(step):
+            return None
+        return self._redirects.forward(router, inner)
 
     def _fast_index(self, i: int) -> int | None:
         """Where in router `i`'s output its top-k's indices are, if its call can be recorded from that alone (see

@@ -20,8 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .selectors import dispatch
-
 _TORCH_DIR = torch.__file__.rpartition("/")[0] + "/"
 
 
@@ -92,16 +90,12 @@ def redirected_forward(forward: types.FunctionType, topk: Callable[..., Any]) ->
     return copy
 
 
-def _inside() -> bool:
-    return True  # a redirected top-k runs in the router's own forward
-
-
 class Redirects:
-    """One hub's redirected router forwards (per router class) and the router call running inside one."""
+    """One hub's redirected router forwards (per router class) and the top-k handler of the one running."""
 
     def __init__(self) -> None:
         self._forwards: dict[types.FunctionType, types.FunctionType] = {}  # per class forward
-        self._call: Any = None
+        self._handler: Callable[[tuple, dict], Any] | None = None
 
     def forward(self, router: nn.Module, inner: Any) -> types.FunctionType | None:
         """The redirected copy of `router`'s class forward, or None if `inner` (what the router's forward is now)
@@ -114,19 +108,20 @@ class Redirects:
             found = self._forwards[forward] = redirected_forward(forward, self._topk)
         return found
 
-    def run(self, call: Any, forward: types.FunctionType, router: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """Run the redirected `forward` of `router` for router call `call`."""
-        self._call = call
+    def run(
+        self, topk: Callable[[tuple, dict], Any], forward: types.FunctionType, router: nn.Module, args: tuple, kw: dict
+    ) -> Any:
+        """Run the redirected `forward` of `router`, its `torch.topk(*args, **kwargs)` calls going to
+        `topk(args, kwargs)`."""
+        previous, self._handler = self._handler, topk
         try:
-            return forward(router, *args, **kwargs)
+            return forward(router, *args, **kw)
         finally:
-            self._call = None
+            self._handler = previous
 
     def _topk(self, *args: Any, **kwargs: Any) -> Any:
-        """`torch.topk` as a redirected forward sees it: the first of the call's selectors that claims it runs it."""
-        call = self._call
-        if call is None:
+        """`torch.topk` as a redirected forward sees it."""
+        handler = self._handler
+        if handler is None:
             return torch.topk(*args, **kwargs)
-        if len(call.selectors) == 1:  # the plain top-k selector alone (a router with one top-k)
-            return call.selectors[0].run(torch.topk, args, kwargs)
-        return dispatch(call, torch.topk, args, kwargs, _inside)  # a group top-k's selector first
+        return handler(args, kwargs)

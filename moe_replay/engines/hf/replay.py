@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
@@ -98,9 +96,7 @@ class RouteReplayer:
         else:
             indices = r.indices[:, start:end, layer].long().reshape(step.tokens, info.top_k)
         self._covered.add((start, end, layer))
-        on_live = partial(self._tally, layer, mask) if self.track_live else None
-        groups = partial(self._groups_used, layer)
-        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, on_live, groups)
+        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, self, layer, self.track_live)
 
     def _step_span(self, step: Step) -> tuple[Step, torch.Tensor | None, bool, tuple[torch.Tensor, ...] | None]:
         """(step, its positions' mask [N] or None when the step is not replayed, whether all are recorded, and for a
@@ -116,14 +112,16 @@ class RouteReplayer:
             raise ReplayError(
                 f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"
             )
-        mask = r.mask[:, step.start : end].reshape(step.tokens)
+        full = step.start == 0 and end == r.seq_len  # a forward of the whole routes: no slices
+        mask = (r.mask if full else r.mask[:, step.start : end]).reshape(step.tokens)
         every_layer = None
         L, K = len(r.layers), r.indices.shape[-1]
         if step.tokens * L * K <= SMALL_FORWARD:  # one conversion per forward rather than one per router call
-            every_layer = r.indices[:, step.start : end].movedim(2, 0).reshape(L, step.tokens, K).long().unbind(0)
+            part = (r.indices if full else r.indices[:, step.start : end]).movedim(2, 0)  # [L, B, t, K]
+            every_layer = part.to(torch.long, memory_format=torch.contiguous_format).view(L, step.tokens, K).unbind(0)
         return step, mask, self._gaps[end] == self._gaps[step.start], every_layer
 
-    def _groups_used(self, layer: int, G: int) -> int:
+    def groups_used(self, layer: int, G: int) -> int:
         """The most of G expert groups that any recorded token of `layer` uses (one host read per layer and G, over
         all the routes, rather than one per router call)."""
         found = self._groups.get((layer, G))
@@ -134,7 +132,7 @@ class RouteReplayer:
             found = self._groups[layer, G] = int((used & r.mask[..., None]).sum(-1).max())
         return found
 
-    def _tally(self, layer: int, mask: torch.Tensor, live: torch.Tensor, used: torch.Tensor) -> None:
+    def tally(self, layer: int, mask: torch.Tensor, live: torch.Tensor, used: torch.Tensor) -> None:
         """Count the replayed expert slots [N, K] the router would have picked otherwise (no host sync)."""
         kept = (live[:, :, None] == used[:, None, :]).any(-1).sum(-1)  # [N] live picks among the used ones
         mask = mask.to(kept.device)

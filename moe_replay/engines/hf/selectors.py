@@ -83,17 +83,8 @@ class TopK(Selector):
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         x, k, last = topk_args(args, kwargs)
         call, plan = self.call, self.call.plan
-        if (
-            plan is not None
-            and last
-            and (x.shape[-1], k, x.numel())
-            == (
-                plan.num_experts,
-                plan.top_k,
-                call.step.tokens * plan.num_experts,
-            )
-        ):
-            out = forced_topk(func, args, kwargs, x, plan, observe=plan.on_live is not None and self._observes())
+        if plan is not None and last and replaces(plan, call.step.tokens, x, k):
+            out = forced_topk(func, args, kwargs, x, plan, observe=plan.observe and self._observes())
             self.replaced += 1
         else:
             out = func(*args, **kwargs)
@@ -153,7 +144,7 @@ class GroupTopK(Selector):
         assert plan is not None
         G = x.shape[-1]
         flat = x.reshape(-1, G)
-        if plan.groups_used is not None and plan.groups_used(G) > k:  # checked once per layer, not per call
+        if plan.groups_used(G) > k:  # checked once per layer, not per call
             raise ReplayError(
                 f"router {self.call.layer!r} keeps topk_group={k} of {G} expert groups, but the routes use "
                 f"{plan.groups_used(G)} groups for one token"
@@ -182,6 +173,13 @@ def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict, in_router: 
             call.outside_router |= not in_router()
             return selector.run(func, args, kwargs)
     return func(*args, **kwargs)
+
+
+def replaces(plan: Plan, tokens: int, x: torch.Tensor, k: int) -> bool:
+    """Whether a top-k (over the last dim) of `x` is the selection `plan` replaces: k of the plan's E scores for each
+    of the forward's `tokens` tokens."""
+    E = plan.num_experts
+    return x.shape[-1] == E and k == plan.top_k and x.numel() == tokens * E
 
 
 def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan, observe: bool = False) -> Any:

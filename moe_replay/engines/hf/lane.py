@@ -1,0 +1,67 @@
+"""The replay lane: a replayed router call with nothing else to do, run without the call lifecycle's objects.
+
+Most replayed router calls only need their one selecting `torch.topk` replaced: no recording, no checkpoint recompute
+to queue for, no live picks to count. A router whose only top-k over each token's scores is a `torch.topk` in its own
+`forward` (redirect.py) then runs its redirected forward with a `Lane` as the top-k's handler: no `RouterCall`, no
+selector objects, no interception state. A host call costs microseconds on a CPU that has just run other code (a
+forward's kernels and Python), so a call that touches less code is what makes replay free at small batches.
+The checks are the general path's: the routes' E against the router's, and a replay that was not applied raises.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from .call import Plan, check_experts, not_applied, num_scores
+from .redirect import Redirects
+from .selectors import forced_topk, replaces, topk_args
+
+
+class Lane:
+    """The top-k handler of one replayed router call in the lane: forces the selecting top-k to the plan's experts,
+    runs any other top-k as it is."""
+
+    __slots__ = ("plan", "tokens", "applied", "seen")
+
+    def __init__(self, plan: Plan, tokens: int) -> None:
+        self.plan, self.tokens, self.applied = plan, tokens, 0
+        self.seen: list[tuple[int, int]] = []  # (last dim, k) of the top-k calls over the last dim not replaced
+
+    def topk(self, args: tuple, kwargs: dict) -> Any:
+        """`torch.topk(*args, **kwargs)`, the plan's experts if it is the selection the plan replaces."""
+        x, k, last = topk_args(args, kwargs)
+        if last and replaces(self.plan, self.tokens, x, k):
+            self.applied += 1
+            return forced_topk(torch.topk, args, kwargs, x, self.plan)
+        if last:
+            self.seen.append((x.shape[-1], k))
+        return torch.topk(*args, **kwargs)
+
+
+def run_lane(
+    redirects: Redirects,
+    forward: types.FunctionType,
+    router: nn.Module,
+    layer: str,
+    plan: Plan,
+    tokens: int,
+    logits_index: int,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """Run `router`'s redirected `forward` with its selecting top-k forced to `plan` (router call `layer` of a forward
+    of `tokens` tokens) and return its output; raise `ReplayError` unless the plan decided the call's experts.
+
+    Example:
+        >>> out = run_lane(redirects, fwd, router, "model.layers.0.mlp.gate", plan, 32, 0, (h,), {})  # doctest: +SKIP
+    """
+    lane = Lane(plan, tokens)
+    out = redirects.run(lane.topk, forward, router, args, kwargs)
+    check_experts(layer, num_scores(out, logits_index), plan)
+    if not lane.applied:
+        raise not_applied(layer, router, plan, tokens, f"the router's top-k calls were (E, k) = {lane.seen}")
+    return out

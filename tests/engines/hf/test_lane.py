@@ -1,0 +1,111 @@
+"""The replay lane (lane.py): a replay alone of a redirected router runs without the call lifecycle, replays exactly
+like the general path, leaves the lane whenever the call has more to do, and refuses routes it cannot apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import left_padded, tiny_qwen3_moe
+
+from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
+from moe_replay.engines.hf import hub as hub_module
+from moe_replay.engines.hf.facts import router_facts
+
+
+@pytest.fixture
+def calls(monkeypatch):  # noqa: ANN001, ANN201
+    """Counts the `RouterCall`s the hub opens (none for a call in the lane)."""
+    opened = []
+    real = hub_module.RouterCall
+
+    def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        opened.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hub_module, "RouterCall", counting)
+    return opened
+
+
+def learned(model, ids, mask):  # noqa: ANN001, ANN202
+    """Live logits and routes, after a first replay that learns the router's facts (on the general path)."""
+    with torch.no_grad(), record_routes(model) as rec:
+        live = model(ids, attention_mask=mask).logits
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        model(ids, attention_mask=mask)
+    (facts,) = router_facts(model).values()
+    assert facts.redirect == {False: 1}
+    return live, rec.routes
+
+
+def test_a_replay_alone_runs_in_the_lane_and_replays_exactly(calls):
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(3, 9, [0, 2, 4])  # padded positions route live: the plan's mask is applied
+    live, routes = learned(model, ids, mask)
+    calls.clear()
+    with torch.no_grad(), replay_routes(model, routes):
+        out = model(ids, attention_mask=mask).logits
+    assert calls == [] and torch.equal(out, live)
+    with replay_routes(model, routes):  # with grad, no checkpoint: still the lane, and the router gets its gradient
+        lane_out = model(ids, attention_mask=mask).logits
+        lane_out.square().mean().backward()
+    assert calls == []
+    lane_grads = [g.weight.grad.clone() for g in gates(model)]
+    model.zero_grad()
+    (facts,) = router_facts(model).values()
+    facts.redirect[False] = 0  # the mode path, for comparison
+    with replay_routes(model, routes):
+        mode_out = model(ids, attention_mask=mask).logits
+        mode_out.square().mean().backward()
+    assert len(calls) == 2  # its two MoE layers' calls ran on the general path
+    assert torch.equal(lane_out, mode_out) and torch.equal(lane_out.detach(), live)
+    assert all(
+        torch.equal(g.weight.grad, a) and a.abs().sum() > 0 for g, a in zip(gates(model), lane_grads, strict=True)
+    )
+
+
+def gates(model):  # noqa: ANN001, ANN202
+    return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+
+
+def test_a_call_with_more_to_do_leaves_the_lane(calls):
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(2, 8, [0, 3])
+    live, routes = learned(model, ids, mask)
+    calls.clear()
+    with torch.no_grad(), replay_routes(model, routes), record_routes(model) as rec:  # a recording nested inside
+        out = model(ids, attention_mask=mask).logits
+    assert len(calls) == 2 and torch.equal(out, live)
+    assert torch.equal(rec.routes.indices[routes.mask], routes.indices[routes.mask])
+    calls.clear()
+    with torch.no_grad(), replay_routes(model, routes, track_live=True) as ctx:  # live picks to count
+        model(ids, attention_mask=mask)
+    assert len(calls) == 2 and int(ctx.live_moved()[1].sum()) == 2 * int(routes.mask.sum())
+    calls.clear()
+    model.gradient_checkpointing_enable()
+    model.train()  # checkpointing needs training mode; checkpointed calls stay on the general path
+    for _ in range(2):
+        with replay_routes(model, routes):
+            model(ids, attention_mask=mask).logits.sum().backward()
+    assert len(calls) == 2 * 2 * 2  # two forwards: each MoE layer's call and its recompute in the backward
+
+
+def test_the_lane_refuses_routes_it_cannot_apply(calls):
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(2, 8, [0, 3])
+    _, routes = learned(model, ids, mask)
+    calls.clear()
+    wider = Routes(routes.indices, routes.mask, [LayerInfo(n, 16, 2) for n in routes.layer_names])
+    with pytest.raises(ReplayError, match="has E=8 experts but the routes hold E=16 for it"):
+        with torch.no_grad(), replay_routes(model, wider):
+            model(ids, attention_mask=mask)
+    assert calls == []  # refused in the lane
+    three = tiny_qwen3_moe(top_k=3)
+    with torch.no_grad(), record_routes(three) as rec:
+        three(ids, attention_mask=mask)
+    calls.clear()  # (the other model's recording learned its router on the general path)
+    with pytest.raises(
+        ReplayError, match=r"could not be applied .* k=3 of E=8 .* top-k calls were \(E, k\) = \[\(8, 2\)\]"
+    ):
+        with torch.no_grad(), replay_routes(model, rec.routes):
+            model(ids, attention_mask=mask)
+    assert calls == []  # refused in the lane too
