@@ -51,6 +51,7 @@ class RouterHub:
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)
         self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
+        self.pending = [RecomputeQueue(s.name) for s in self.sites]
         self._reset()
 
     def _reset(self) -> None:
@@ -59,8 +60,10 @@ class RouterHub:
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
-        self.pending = [RecomputeQueue(s.name) for s in self.sites]
-        self.facts = [facts_for(self.model, s.router) for s in self.sites]  # per context: a class may be patched
+        if not all(q.empty for q in self.pending):  # (a kept hub's queues are empty once its contexts closed)
+            self.pending = [RecomputeQueue(s.name) for s in self.sites]
+        facts = {type(s.router): facts_for(self.model, s.router) for s in self.sites}  # per context: a class may
+        self.facts = [facts[type(s.router)] for s in self.sites]  # have been patched since
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
@@ -110,13 +113,14 @@ class RouterHub:
             if any(h is handler for h in group):
                 group[:] = [h for h in group if h is not handler]
         for queue in self.pending:
-            queue.drop(handler)
+            if not queue.empty:
+                queue.drop(handler)
         if not self.recorders and not self.replayers:
             self._patches.undo()
 
     def pending_for(self, handler: Replayer) -> int:
         """Replayed router calls still waiting for their recompute in the backward."""
-        return sum(queue.count(handler) for queue in self.pending)
+        return sum(queue.count(handler) for queue in self.pending if not queue.empty)
 
     def _install(self) -> None:
         wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper

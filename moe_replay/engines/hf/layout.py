@@ -11,13 +11,16 @@ one, a PEFT or checkpoint wrapper) is found by a fresh walk.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter, eq
 
 from torch import nn
 
 from .discover import RouterSite, find_routers
 
 ATTR = "_moe_replay_layout"
-Stamp = tuple[tuple[nn.Module, tuple[tuple[str, nn.Module | None], ...]], ...]  # (module, its named children)
+# (the modules on the paths, a copy of each one's children by name)
+Stamp = tuple[tuple[nn.Module, ...], tuple[dict[str, nn.Module | None], ...]]
+_CHILDREN = attrgetter("_modules")
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,11 @@ def model_layout(model: nn.Module) -> Layout:
 def _holds(model: nn.Module, layout: Layout) -> bool:
     """Whether every module of the stamp still has the same children under the same names (the model first): then
     every path leads, step by step, through the same modules to the same targets."""
-    stamp = layout.stamp
-    if not stamp or stamp[0][0] is not model:
+    modules, children = layout.stamp
+    if not modules or modules[0] is not model:
         return False
-    for module, children in stamp:  # plain loop, tuple compare in C: this runs per context
-        if tuple(module._modules.items()) != children:
-            return False
-    return True
+    # each module's children now against the copy taken then, compared in one C loop: this runs per context
+    return all(map(eq, map(_CHILDREN, modules), children))
 
 
 def _tracked(
@@ -80,19 +81,17 @@ def _tracked(
 
 
 def _stamp(model: nn.Module, paths: tuple[str, ...], targets: list[nn.Module]) -> Stamp:
-    """Each module on the paths (the model first, each once) with its children; () if a path is broken or does not
-    end at its target."""
-    seen: dict[int, tuple[nn.Module, tuple[tuple[str, nn.Module | None], ...]]] = {
-        id(model): (model, tuple(model._modules.items()))
-    }
+    """Each module on the paths (the model first, each once) and a copy of its children by name; ((), ()) if a path
+    is broken or does not end at its target."""
+    seen: dict[int, nn.Module] = {id(model): model}
     for path, target in zip(paths, targets, strict=True):
         module = model
         for part in path.split("."):
             module = module._modules.get(part)
             if module is None:
-                return ()
-            if id(module) not in seen:
-                seen[id(module)] = (module, tuple(module._modules.items()))
+                return (), ()
+            seen.setdefault(id(module), module)
         if module is not target:
-            return ()
-    return tuple(seen.values())
+            return (), ()
+    modules = tuple(seen.values())
+    return modules, tuple(dict(m._modules) for m in modules)

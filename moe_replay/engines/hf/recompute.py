@@ -84,6 +84,11 @@ class RecomputeQueue:
         self.items: list[Pending] = []
         self.done: list[Pending] = []
 
+    @property
+    def empty(self) -> bool:
+        """Whether no call waits for its recompute and none is kept."""
+        return not self.items and not self.done
+
     def add(self, item: Pending) -> None:
         self.items.append(item)
 

@@ -40,10 +40,8 @@ class RouteReplayer:
         self._moved = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
         self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
         self._hub: RouterHub | None = None
-        self._mask_cpu = routes.mask.cpu()
-        # positions before t holding an unrecorded token (in any sequence): a span is all recorded when its count is
-        # the same at both ends (read once here, so that no forward reads the mask on the host)
-        self._gaps = [0, *torch.cumsum((~self._mask_cpu).any(0), 0).tolist()]
+        self._mask_cpu = routes.mask.cpu()  # read on the host (whether a span is all recorded): copied once here
+        self._last: tuple | None = None  # the last span's (key, mask, all recorded, indices): forwards repeat spans
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
         self._columns: dict[str, int] = {}
@@ -100,8 +98,8 @@ class RouteReplayer:
 
     def _step_span(self, step: Step) -> tuple[Step, torch.Tensor | None, bool, tuple[torch.Tensor, ...] | None]:
         """(step, its positions' mask [N] or None when the step is not replayed, whether all are recorded, and for a
-        small forward each layer's indices as int64 [N, K], converted in one go), after checking that the routes
-        cover the step."""
+        small forward each layer's indices as int64 [N, K]), after checking that the routes cover the step. A forward
+        of the same span as the last one (in one context) reuses its conversion."""
         r = self.routes
         if step.batch != r.batch_size:
             raise ReplayError(f"routes hold B={r.batch_size} sequences but the forward has batch {step.batch}")
@@ -112,14 +110,26 @@ class RouteReplayer:
             raise ReplayError(
                 f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"
             )
-        full = step.start == 0 and end == r.seq_len  # a forward of the whole routes: no slices
-        mask = (r.mask if full else r.mask[:, step.start : end]).reshape(step.tokens)
-        every_layer = None
-        L, K = len(r.layers), r.indices.shape[-1]
-        if step.tokens * L * K <= SMALL_FORWARD:  # one conversion per forward rather than one per router call
-            part = (r.indices if full else r.indices[:, step.start : end]).movedim(2, 0)  # [L, B, t, K]
-            every_layer = part.to(torch.long, memory_format=torch.contiguous_format).view(L, step.tokens, K).unbind(0)
-        return step, mask, self._gaps[end] == self._gaps[step.start], every_layer
+        last = self._last
+        key = (step.start, end, r.indices._version, r.mask._version)  # the routes as they are now (in-place edits)
+        if last is None or last[0] != key or (last[4] is not None and last[4]._version != last[5]):
+            last = self._last = (key, *self._convert(step.start, end))
+        return step, *last[1:4]
+
+    def _convert(self, start: int, end: int) -> tuple:
+        """(The mask of positions [start, end) [N], whether all are recorded, for a small forward each layer's
+        indices as int64 [N, K] converted in one go, the tensor they are views of and its version: a model that edits
+        the indices it was given in place gets fresh ones in its next forward.)"""
+        r = self.routes
+        full = start == 0 and end == r.seq_len  # a forward of the whole routes: no slices
+        mask = (r.mask if full else r.mask[:, start:end]).reshape(-1)
+        all_recorded = bool((self._mask_cpu if full else self._mask_cpu[:, start:end]).all())
+        L, K, N = len(r.layers), r.indices.shape[-1], mask.numel()
+        if N * L * K > SMALL_FORWARD:  # converted per router call instead
+            return mask, all_recorded, None, None, 0
+        part = (r.indices if full else r.indices[:, start:end]).movedim(2, 0)  # [L, B, t, K]
+        converted = part.to(torch.long, memory_format=torch.contiguous_format)  # one conversion for all layers
+        return mask, all_recorded, converted.view(L, N, K).unbind(0), converted, converted._version
 
     def groups_used(self, layer: int, G: int) -> int:
         """The most of G expert groups that any recorded token of `layer` uses (one host read per layer and G, over
