@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch's (and Megatron's, DeepSpeed's) reentrant checkpoint
 
 
 def in_backward() -> bool:
@@ -13,3 +17,18 @@ def in_backward() -> bool:
         False
     """
     return torch._C._current_graph_task_id() != -1
+
+
+def inside_reentrant_checkpoint() -> bool:
+    """Whether a reentrant checkpoint's first forward (`CheckpointFunction.forward`) is on the call stack.
+
+    Example:
+        >>> inside_reentrant_checkpoint()
+        False
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_qualname == REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False

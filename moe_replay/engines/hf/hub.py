@@ -29,13 +29,13 @@ from .call import InterceptMode, Recorder, Replayer, RouterCall, num_scores, out
 from .discover import RouterSite
 from .facts import facts_for, signature_cache
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
-from .lane import run_lane
+from .lane import lane_forward, run_lane
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
-from .recompute import Pending, RecomputeQueue, fingerprint, inside_reentrant_checkpoint, will_be_recomputed
+from .recompute import Pending, RecomputeQueue, fingerprint, will_be_recomputed
 from .redirect import Redirects, redirectable
 from .selectors import TopK, selectors_for
-from .steps import Step, StepTracker
+from .steps import Step, StepTracker, step_wrapper
 
 
 class RouterHub:
@@ -130,7 +130,7 @@ class RouterHub:
         self._patches.set(self.model, MARKER, self)
         patch = partial(self._patches.patch, kept=self._wrappers)
         for module in self._tracked:
-            patch(module, "forward", self._step_wrapper)
+            patch(module, "forward", partial(step_wrapper, self))
             if callable(getattr(module, "generate", None)):
                 patch(module, "generate", partial(generate_wrapper, self))
             for name in PACKED_GENERATION:
@@ -143,28 +143,6 @@ class RouterHub:
         self._installed = wrapped
 
     # ---- wrappers ------------------------------------------------------------------------------------------
-    def _step_wrapper(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            tracker = self.tracker
-            if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
-                return inner(*args, **kwargs)
-            step = tracker.begin(inner, args, kwargs)
-            step.synced, step.generating = self.synced, self.generating > 0
-            if step.grad is None and self.replayers:  # began without grad: a checkpoint around the model recomputes
-                step.grad = inside_reentrant_checkpoint()  # it (the stack above the model, walked once per forward)
-            tracker.depth += 1
-            try:
-                return inner(*args, **kwargs)
-            except BaseException:
-                for queue in self.pending:  # a forward that raised is never backwarded
-                    queue.drop(step=step)
-                raise
-            finally:
-                tracker.depth -= 1
-                tracker.current = None
-
-        return forward
-
     def _scope_wrapper(self, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
         """Open router call `i` in whichever of the router and its MoE block runs first, and intercept its calls.
 
@@ -187,7 +165,7 @@ class RouterHub:
                         layer = self._layer(i, step)  # router's output: no call state, no interception
                         return self._recorded(i, layer, step, inner(*args, **kwargs), j)
                 elif not self.recorders:
-                    lane = self._lane(i, inner, step)
+                    lane = lane_forward(self, i, inner, step)
                     if lane is not None:  # a replay alone, of a redirected router: lane.py
                         layer = self._layer(i, step)
                         plan = self.replayers[-1].plan(layer, step)
@@ -295,17 +273,6 @@ class RouterHub:
                 )
         elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
             queue.add(Pending(self.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))
-
-    def _lane(self, i: int, inner: Callable[..., Any], step: Step | None) -> Any:
-        """The redirected forward of router `i` if its call in `step` can run in the replay lane (lane.py): its one
-        top-k over each token's scores is redirected, and the call has nothing to record, no recompute to queue for
-        and no live picks to count; else None."""
-        router = self.sites[i].router
-        if step is None or not self.router_only[i] or self.facts[i].redirect.get(router.training, 0) != 1:
-            return None
-        if in_backward() or self.replayers[-1].track_live or will_be_recomputed(step):
-            return None
-        return self._redirects.forward(router, inner)
 
     def _fast_index(self, i: int) -> int | None:
         """Where in router `i`'s output its top-k's indices are, if its call can be recorded from that alone (see

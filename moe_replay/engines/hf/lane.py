@@ -16,9 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..autograd import in_backward
 from .call import Plan, check_experts, not_applied, num_scores
+from .recompute import will_be_recomputed
 from .redirect import Redirects
 from .selectors import forced_topk, replaces, topk_args
+from .steps import Step
 
 
 class Lane:
@@ -40,6 +43,23 @@ class Lane:
         if last:
             self.seen.append((x.shape[-1], k))
         return torch.topk(*args, **kwargs)
+
+
+def lane_forward(hub: Any, i: int, inner: Any, step: Step | None) -> types.FunctionType | None:
+    """The redirected forward of `hub`'s router `i` (hub.py) if its call in `step` can run in the lane: its one top-k
+    over each token's scores is redirected, and the call has nothing to record (asked by the hub), no recompute to
+    queue for and no live picks to count; else None. `inner`: what the router's forward wrapper wraps.
+
+    Example:
+        >>> lane_forward(hub, 0, router.forward, hub.tracker.current)  # doctest: +SKIP
+        <function Qwen3MoeTopKRouter.forward ...>
+    """
+    router = hub.sites[i].router
+    if step is None or not hub.router_only[i] or hub.facts[i].redirect.get(router.training, 0) != 1:
+        return None
+    if in_backward() or hub.replayers[-1].track_live or will_be_recomputed(step):
+        return None
+    return hub._redirects.forward(router, inner)
 
 
 def run_lane(

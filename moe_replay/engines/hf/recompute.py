@@ -12,7 +12,6 @@ nested checkpoints). A recompute that matches no queued call, or several with di
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,23 +19,13 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import ReplayError
+from ..autograd import inside_reentrant_checkpoint
 from .call import Plan
 from .steps import Step
 
 FINGERPRINT = 64  # elements of the router input kept per queued call to tell calls apart
 KEEP_DONE = 16  # recomputed calls kept per router for a second recompute (retain_graph, nested checkpoints)
 MATCH_RTOL = 1e-3  # a recompute reproduces its forward's input up to nondeterministic kernels
-REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch's (and Megatron's, DeepSpeed's) reentrant checkpoint
-
-
-def inside_reentrant_checkpoint() -> bool:
-    """Whether a reentrant checkpoint's first forward (`CheckpointFunction.forward`) is on the call stack."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_qualname == REENTRANT_FORWARD:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def will_be_recomputed(step: Step) -> bool:

@@ -1,12 +1,16 @@
-"""Which sequence positions a forward call covers: prefill [B, T_prompt], then [B, 1] per decode step."""
+"""Which sequence positions a forward call covers (prefill [B, T_prompt], then [B, 1] per decode step), and the
+wrapper that makes each outermost forward of a tracked model a step."""
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ..autograd import in_backward, inside_reentrant_checkpoint
 
 
 @dataclass
@@ -129,3 +133,32 @@ class StepTracker:
         if names is None or len(args) > len(names):
             return sig.bind_partial(*args, **kwargs).arguments
         return {**dict(zip(names, args, strict=False)), **kwargs}
+
+
+def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
+    """A tracked model's `forward`, wrapped by `hub` (hub.py): its outermost call is a step of `hub.tracker`.
+
+    Example:
+        >>> model.forward = step_wrapper(hub, model.forward)  # doctest: +SKIP
+    """
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        tracker = hub.tracker
+        if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
+            return inner(*args, **kwargs)
+        step = tracker.begin(inner, args, kwargs)
+        step.synced, step.generating = hub.synced, hub.generating > 0
+        if step.grad is None and hub.replayers:  # began without grad: a checkpoint around the model recomputes it
+            step.grad = inside_reentrant_checkpoint()  # (the stack above the model, walked once per forward)
+        tracker.depth += 1
+        try:
+            return inner(*args, **kwargs)
+        except BaseException:
+            for queue in hub.pending:  # a forward that raised is never backwarded
+                queue.drop(step=step)
+            raise
+        finally:
+            tracker.depth -= 1
+            tracker.current = None
+
+    return forward

@@ -109,3 +109,36 @@ def test_the_lane_refuses_routes_it_cannot_apply(calls):
         with torch.no_grad(), replay_routes(model, rec.routes):
             model(ids, attention_mask=mask)
     assert calls == []  # refused in the lane too
+
+
+def zero_indices(module, inputs, out) -> None:  # noqa: ANN001
+    out[2].zero_()
+
+
+def test_a_context_reuses_a_span_conversion_only_while_routes_and_given_indices_are_unchanged():
+    """Forwards of the same span in one context share one conversion of the routes: an in-place edit of the routes,
+    or of the indices a router was given, between them makes a fresh one."""
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(2, 8, [0, 0])  # all recorded: a router is given the converted indices themselves
+    routes = learned(model, ids, mask)[1]
+    other = tiny_qwen3_moe(seed=1)
+    with torch.no_grad(), record_routes(other) as rec:
+        other(ids, attention_mask=mask)
+    assert not torch.equal(rec.routes.indices[routes.mask], routes.indices[routes.mask])
+    assert bool(routes.mask.all())
+    edited = Routes(routes.indices.clone(), routes.mask.clone(), routes.layers)
+
+    def used() -> torch.Tensor:  # the experts the replayed forward used, at recorded positions
+        with record_routes(model) as seen:
+            model(ids, attention_mask=mask)
+        return seen.routes.indices[routes.mask]
+
+    gate = gates(model)[0]
+    with torch.no_grad(), replay_routes(model, edited):
+        assert torch.equal(used(), routes.indices[routes.mask])
+        edited.indices.copy_(rec.routes.indices)  # the routes edited in place, inside the context
+        assert torch.equal(used(), rec.routes.indices[routes.mask])
+        hook = gate.register_forward_hook(zero_indices)  # a router that edits the indices it was given, in place
+        used()
+        hook.remove()
+        assert torch.equal(used(), rec.routes.indices[routes.mask])  # given fresh ones
