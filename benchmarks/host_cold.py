@@ -7,7 +7,7 @@ tiny model and prints warm µs, cold µs and their ratio.
 Warm: the piece alone, `timeit` in a loop (best of 7). Cold: the piece timed once right after a plain forward of the
 model (B=1, T=32, no grad), median of 300. The pieces: one torch op that does nothing (`.cpu()` of a CPU tensor), a
 replay context's construction, its enter and exit without a forward, and one replayed forward with its context
-against a plain forward (the difference is what moe-replay adds, cold by nature).
+against a plain forward, paired within rounds (the difference is what moe-replay adds, cold by nature).
 """
 
 from __future__ import annotations
@@ -72,10 +72,15 @@ def main() -> int:
         warm = min(timeit.repeat(piece, number=200, repeat=7)) / 200
         after = cold(piece, plain, args.repeats)
         print(f"{name} | {warm * 1e6:.1f} | {after * 1e6:.1f} | {after / warm:.1f}", flush=True)
-    base = cold(plain, plain, args.repeats)
-    ours = cold(replayed, plain, args.repeats)
-    print(f"plain forward {base * 1e6:.0f} us; replayed forward with its context {ours * 1e6:.0f} us: "
-          f"{ours / base:.3f}")  # fmt: skip
+    ratios, base = [], []
+    for r in range(args.repeats):  # paired: each round times both, in alternating order, after a plain forward
+        times = {}
+        for name, fn in (("plain", plain), ("ours", replayed))[:: 1 if r % 2 else -1]:
+            times[name] = cold(fn, plain, 1)
+        ratios.append(times["ours"] / times["plain"])
+        base.append(times["plain"])
+    print(f"replayed forward with its context / plain forward ({statistics.median(base) * 1e6:.0f} us): "
+          f"{statistics.median(ratios):.3f} (median of paired ratios)")  # fmt: skip
     return 0
 
 
