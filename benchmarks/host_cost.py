@@ -2,7 +2,7 @@
 hidden behind compute (a decode step, a chunked log-prob forward). Prints a table with the host microseconds moe-replay
 adds per router call, writes it as CSV, ends with `targets met: N/M`.
 
-    python benchmarks/host_cost.py           # benchmarks/results_host_cost.csv (about 10 minutes on 2 CPU cores)
+    python benchmarks/host_cost.py           # benchmarks/results_host_cost.csv (about 12 minutes on 2 CPU cores)
     python benchmarks/host_cost.py --quick   # fewer repeats (a few minutes); writes results_host_cost_quick.csv
 
 Each ratio is measured side by side in one process against the same work without moe-replay: all the forward
@@ -106,8 +106,8 @@ def main() -> int:
     for label, spec in (("tiny", TINY), ("realistic", REALISTIC)):
         model, ours, held, plain, plain_held = replay_forward(spec, batch=1, length=32)
         layers = model.config.num_hidden_layers
-        scale = 1 if label == "tiny" else 10  # the realistic forward is about 20x slower: fewer repeats
-        forwards = interleaved(
+        scale = 1 if label == "tiny" else 2  # the realistic forward is about 15x slower: fewer repeats (8 rounds
+        forwards = interleaved(  # were too few: an A/A row at 1.077)
             {"ours": ours, "held": held, "plain": plain, "plain2": plain, "plain_held": plain_held},
             max(5, reps_fwd // scale // HELD * 2),
         )
