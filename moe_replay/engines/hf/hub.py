@@ -51,6 +51,7 @@ class RouterHub:
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)
         self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
+        # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
         self.pending = [RecomputeQueue(s.name) for s in self.sites]
         self._reset()
 
@@ -59,7 +60,6 @@ class RouterHub:
         self.tracker = StepTracker(signature_cache(self.model))
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
-        # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
         if not all(q.empty for q in self.pending):  # (a kept hub's queues are empty once its contexts closed)
             self.pending = [RecomputeQueue(s.name) for s in self.sites]
         facts = {type(s.router): facts_for(self.model, s.router) for s in self.sites}  # per context: a class may
@@ -165,15 +165,15 @@ class RouterHub:
                         layer = self._layer(i, step)  # router's output: no call state, no interception
                         return self._recorded(i, layer, step, inner(*args, **kwargs), j)
                 elif not self.recorders:
-                    lane = lane_forward(self, i, inner, step)
-                    if lane is not None:  # a replay alone, of a redirected router: lane.py
+                    redirected = lane_forward(self, i, inner, step)
+                    if redirected is not None:  # a replay alone, of a redirected router: lane.py
                         layer = self._layer(i, step)
                         plan = self.replayers[-1].plan(layer, step)
                         if plan is None:  # a dummy forward past the routes: routed live
                             return inner(*args, **kwargs)
                         router = self.sites[i].router
                         return run_lane(
-                            self._redirects, lane, router, layer, plan, step.tokens, logits_index, args, kwargs
+                            self._redirects, redirected, router, layer, plan, step.tokens, logits_index, args, kwargs
                         )
             opened = call is None
             if opened:

@@ -20,7 +20,7 @@ from ..autograd import in_backward
 from .call import Plan, check_experts, not_applied, num_scores
 from .recompute import will_be_recomputed
 from .redirect import Redirects
-from .selectors import forced_topk, replaces, topk_args
+from .selectors import forced_topk, replaces, topk_args, topk_calls
 from .steps import Step
 
 
@@ -83,5 +83,5 @@ def run_lane(
     out = redirects.run(lane.topk, forward, router, args, kwargs)
     check_experts(layer, num_scores(out, logits_index), plan)
     if not lane.applied:
-        raise not_applied(layer, router, plan, tokens, f"the router's top-k calls were (E, k) = {lane.seen}")
+        raise not_applied(layer, router, plan, tokens, topk_calls(lane.seen))
     return out

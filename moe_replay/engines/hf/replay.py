@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -26,6 +28,21 @@ def columns_for(hub: RouterHub, layers: tuple[LayerInfo, ...], owner: str) -> di
     return found
 
 
+class Span(NamedTuple):
+    """What the forwards of one span of positions replay: its mask [N], whether all of it is recorded, and for a small
+    forward each layer's indices as int64 [N, K], views of one converted tensor `base` taken at version `version`."""
+
+    mask: torch.Tensor
+    all_recorded: bool
+    every_layer: tuple[torch.Tensor, ...] | None
+    base: torch.Tensor | None
+    version: int
+
+    def intact(self) -> bool:
+        """Whether no model has edited in place the indices it was given (else the next forward converts afresh)."""
+        return self.base is None or self.base._version == self.version
+
+
 class RouteReplayer:
     """Context manager returned by `replay_routes`."""
 
@@ -41,7 +58,7 @@ class RouteReplayer:
         self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
         self._hub: RouterHub | None = None
         self._mask_cpu = routes.mask.cpu()  # read on the host (whether a span is all recorded): copied once here
-        self._last: tuple | None = None  # the last span's (key, mask, all recorded, indices): forwards repeat spans
+        self._last: tuple[tuple[int, ...], Span] | None = None  # the last span's key and conversion: forwards repeat
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
         self._columns: dict[str, int] = {}
@@ -110,26 +127,25 @@ class RouteReplayer:
             raise ReplayError(
                 f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"
             )
-        last = self._last
         key = (step.start, end, r.indices._version, r.mask._version)  # the routes as they are now (in-place edits)
-        if last is None or last[0] != key or (last[4] is not None and last[4]._version != last[5]):
-            last = self._last = (key, *self._convert(step.start, end))
-        return step, *last[1:4]
+        last = self._last
+        if last is None or last[0] != key or not last[1].intact():
+            last = self._last = (key, self._convert(step.start, end))
+        span = last[1]
+        return step, span.mask, span.all_recorded, span.every_layer
 
-    def _convert(self, start: int, end: int) -> tuple:
-        """(The mask of positions [start, end) [N], whether all are recorded, for a small forward each layer's
-        indices as int64 [N, K] converted in one go, the tensor they are views of and its version: a model that edits
-        the indices it was given in place gets fresh ones in its next forward.)"""
+    def _convert(self, start: int, end: int) -> Span:
+        """The replay data of positions [start, end) (see `Span`)."""
         r = self.routes
         full = start == 0 and end == r.seq_len  # a forward of the whole routes: no slices
         mask = (r.mask if full else r.mask[:, start:end]).reshape(-1)
         all_recorded = bool((self._mask_cpu if full else self._mask_cpu[:, start:end]).all())
         L, K, N = len(r.layers), r.indices.shape[-1], mask.numel()
         if N * L * K > SMALL_FORWARD:  # converted per router call instead
-            return mask, all_recorded, None, None, 0
+            return Span(mask, all_recorded, None, None, 0)
         part = (r.indices if full else r.indices[:, start:end]).movedim(2, 0)  # [L, B, t, K]
         converted = part.to(torch.long, memory_format=torch.contiguous_format)  # one conversion for all layers
-        return mask, all_recorded, converted.view(L, N, K).unbind(0), converted, converted._version
+        return Span(mask, all_recorded, converted.view(L, N, K).unbind(0), converted, converted._version)
 
     def groups_used(self, layer: int, G: int) -> int:
         """The most of G expert groups that any recorded token of `layer` uses (one host read per layer and G, over

@@ -111,7 +111,7 @@ class TopK(Selector):
         return self.replaced >= 1
 
     def describe(self) -> str:
-        return f"the router's top-k calls were (E, k) = {[(e, k) for e, k, _, _ in self.seen]}"
+        return topk_calls([(e, k) for e, k, _, _ in self.seen])
 
 
 class GroupTopK(Selector):
@@ -173,6 +173,11 @@ def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict, in_router: 
             call.outside_router |= not in_router()
             return selector.run(func, args, kwargs)
     return func(*args, **kwargs)
+
+
+def topk_calls(seen: list[tuple[int, int]]) -> str:
+    """What a router's top-k calls over the last dim were, (last dim, k) each, for a replay error."""
+    return f"the router's top-k calls were (E, k) = {seen}"
 
 
 def replaces(plan: Plan, tokens: int, x: torch.Tensor, k: int) -> bool:
