@@ -19,6 +19,20 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter (bumped by every in-place edit), or None for a tensor made in
+    `torch.inference_mode()`, whose edits are not counted.
+
+    Example:
+        >>> version(torch.zeros(2).add_(1))
+        1
+    """
+    try:
+        return tensor._version
+    except RuntimeError:  # "Inference tensors do not track version counter."
+        return None
+
+
 def inside_reentrant_checkpoint() -> bool:
     """Whether a reentrant checkpoint's first forward (`CheckpointFunction.forward`) is on the call stack.
 

@@ -10,6 +10,7 @@ from torch import nn
 from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import LayerInfo, Routes
+from ..autograd import version
 from .call import Plan
 from .hub import RouterHub
 from .steps import Step
@@ -36,11 +37,12 @@ class Span(NamedTuple):
     all_recorded: bool
     every_layer: tuple[torch.Tensor, ...] | None
     base: torch.Tensor | None
-    version: int
+    version: int | None
 
     def intact(self) -> bool:
-        """Whether no model has edited in place the indices it was given (else the next forward converts afresh)."""
-        return self.base is None or self.base._version == self.version
+        """Whether no model has edited in place the indices it was given (else the next forward converts afresh); never
+        for indices made in inference mode, whose edits are not counted."""
+        return self.base is None or (self.version is not None and version(self.base) == self.version)
 
 
 class RouteReplayer:
@@ -127,9 +129,9 @@ class RouteReplayer:
             raise ReplayError(
                 f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"
             )
-        key = (step.start, end, r.indices._version, r.mask._version)  # the routes as they are now (in-place edits)
+        key = (step.start, end, version(r.indices), version(r.mask))  # the routes as they are now (in-place edits)
         last = self._last
-        if last is None or last[0] != key or not last[1].intact():
+        if last is None or last[0] != key or None in key or not last[1].intact():  # (None: inference tensors)
             last = self._last = (key, self._convert(step.start, end))
         span = last[1]
         return step, span.mask, span.all_recorded, span.every_layer
@@ -145,7 +147,7 @@ class RouteReplayer:
             return Span(mask, all_recorded, None, None, 0)
         part = (r.indices if full else r.indices[:, start:end]).movedim(2, 0)  # [L, B, t, K]
         converted = part.to(torch.long, memory_format=torch.contiguous_format)  # one conversion for all layers
-        return Span(mask, all_recorded, converted.view(L, N, K).unbind(0), converted, converted._version)
+        return Span(mask, all_recorded, converted.view(L, N, K).unbind(0), converted, version(converted))
 
     def groups_used(self, layer: int, G: int) -> int:
         """The most of G expert groups that any recorded token of `layer` uses (one host read per layer and G, over
