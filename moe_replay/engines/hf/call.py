@@ -122,8 +122,9 @@ def not_applied(layer: str, router: torch.nn.Module, plan: Plan, tokens: int, se
 
 
 class Recorder(Protocol):
-    def record(self, layer: str, step: Step, indices: torch.Tensor, num_experts: int) -> None:
-        """`indices`: the top-k's own tensor ([B*t, K] or [B, t, K]), still the model's: copy what is kept."""
+    def record_step(self, step: Step, taken: list[tuple[str, torch.Tensor, int | None, int]]) -> None:
+        """`taken`: per router call of the step, (layer, the top-k's own tensor ([B*t, K] or [B, t, K]), still the
+        model's: copy what is kept, its version counter when the router returned it (None: a copy already), E)."""
 
     def on_generate(
         self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None

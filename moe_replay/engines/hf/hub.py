@@ -36,6 +36,7 @@ from .recompute import Pending, RecomputeQueue, fingerprint, will_be_recomputed
 from .redirect import Redirects, redirectable
 from .selectors import TopK, selectors_for
 from .steps import Step, StepTracker, step_wrapper
+from .stream import Taken
 
 
 class RouterHub:
@@ -68,6 +69,7 @@ class RouterHub:
         self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
+        self.taken: list[Taken] = []  # recorded router calls of the running step (`_take`)
         self.generating = 0  # generate calls on the stack (generation.py)
         self.synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
 
@@ -154,16 +156,20 @@ class RouterHub:
         redirected copy of that forward instead of the mode (redirect.py); so does a group-limited router whose top-k
         calls over each token's scores are all `torch.topk` calls there."""
         is_router = logits_index is not None
+        router = self.sites[i].router
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             call = self._calls[i]
             if call is None and is_router:
                 step = self.tracker.current
                 if not self.replayers:
-                    j = self._fast_index(i)
-                    if j is not None and step is not None and not in_backward():  # a recording read from the
-                        layer = self._layer(i, step)  # router's output: no call state, no interception
-                        return self._recorded(i, layer, step, inner(*args, **kwargs), j)
+                    # a recording read from the router's output (`_fast_index`, inlined): no call state, no interception
+                    j = self.facts[i].output_index.get(router.training) if self.router_only[i] else None
+                    if j is not None and step is not None and not in_backward():
+                        out = inner(*args, **kwargs)
+                        found = out if type(out) is tuple else outputs(out)
+                        self._take(self._layer(i, step), found[j], found[logits_index].shape[-1])
+                        return out
                 elif not self.recorders:
                     redirected = lane_forward(self, i, inner, step)
                     if redirected is not None:  # a replay alone, of a redirected router: lane.py
@@ -171,7 +177,6 @@ class RouterHub:
                         plan = self.replayers[-1].plan(layer, step)
                         if plan is None:  # a dummy forward past the routes: routed live
                             return inner(*args, **kwargs)
-                        router = self.sites[i].router
                         return run_lane(
                             self._redirects, redirected, router, layer, plan, step.tokens, logits_index, args, kwargs
                         )
@@ -185,9 +190,9 @@ class RouterHub:
             intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
             redirected, ranked = None, 0
             if intercept and is_router:
-                ranked = self.facts[i].redirect.get(self.sites[i].router.training, 0)
+                ranked = self.facts[i].redirect.get(router.training, 0)
                 if ranked:
-                    redirected = self._redirects.forward(self.sites[i].router, inner)
+                    redirected = self._redirects.forward(router, inner)
             if intercept and not call.selectors:  # made only for a call that intercepts (not a fast recording)
                 makers = self.selectors[i]  # a redirected router's one top-k goes to the plain one, the last
                 one = redirected is not None and ranked == 1
@@ -196,7 +201,7 @@ class RouterHub:
             try:
                 if redirected is not None:  # only the router's own torch.topk is intercepted
                     call.intercepting = True
-                    out = self._redirects.run(call.redirected_topk, redirected, self.sites[i].router, args, kwargs)
+                    out = self._redirects.run(call.redirected_topk, redirected, router, args, kwargs)
                 elif intercept:
                     call.intercepting = True
                     with InterceptMode(call, lambda: self._in_router[i] > 0):
@@ -247,14 +252,22 @@ class RouterHub:
         self._occurrence[i] = (step, n)
         return f"{self.sites[i].name}#{n}" if n else self.sites[i].name
 
-    def _recorded(self, i: int, layer: str, step: Step, out: Any, j: int) -> Any:
-        """Record router `i`'s call from its output `out` (its element `j` is the top-k's indices) and return `out`."""
-        found = outputs(out)
-        idx = found[j]  # its own shape: reshaped when routes are built
-        experts = num_scores(found, self.sites[i].logits_index)
+    def _take(self, layer: str, indices: Any, num_experts: int) -> None:
+        """Hold the top-k indices of router call `layer` (as the router returned them) until its step's forward
+        returns, when the recorders take the whole step (`hand_over`). Their version counter is read now, so that an
+        edit in place before they are copied is caught; an inference tensor, whose edits are not counted, is copied
+        now."""
+        try:
+            v = indices._version
+        except RuntimeError:  # "Inference tensors do not track version counter."
+            v, indices = None, indices.clone()
+        self.taken.append((layer, indices, v, num_experts))
+
+    def hand_over(self, step: Step) -> None:
+        """Give the recorders the router calls of `step`, whose forward has returned."""
+        taken, self.taken = self.taken, []
         for rec in self.recorders:
-            rec.record(layer, step, idx, experts)
-        return out
+            rec.record_step(step, taken)
 
     def _at_router(self, call: RouterCall, args: tuple, kwargs: dict) -> None:
         """On entering the router module (inside any checkpoint around its layer): queue a replayed call that the
@@ -286,7 +299,7 @@ class RouterHub:
         if call.plan is None and call.record and call.router_out is not None and not call.active:
             j = facts.output_index.get(router.training)
             if j is not None:  # recorded from the router's output
-                self._recorded(i, call.layer, call.step, call.router_out, j)
+                self._take(call.layer, outputs(call.router_out)[j], call.num_experts)
                 return
         if not self.router_only[i] and call.active:
             self.router_only[i] = facts.topk_in_router = not call.outside_router
@@ -302,5 +315,4 @@ class RouterHub:
             facts.output_index[router.training] = next(
                 (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
             )
-        for rec in self.recorders:
-            rec.record(call.layer, call.step, idx, call.num_experts)
+        self._take(call.layer, idx, call.num_experts)

@@ -80,7 +80,7 @@ class StepTracker:
     def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
         """Open the step of an outermost forward (`forward` is the module's unwrapped forward)."""
         bound = self._arguments(forward, args, kwargs)
-        tokens = _lookup(bound, "input_ids")
+        tokens = bound["input_ids"] if "input_ids" in bound else _lookup(bound, "input_ids")  # (the common case first)
         if tokens is None:
             tokens = _lookup(bound, "inputs_embeds")
         if tokens is None:
@@ -91,7 +91,7 @@ class StepTracker:
                 f"{None if tokens is None else tuple(tokens.shape)}"
             )
         B, t = tokens.shape[0], tokens.shape[1]
-        cache = _lookup(bound, "cache")
+        cache = bound["cache"] if "cache" in bound else _lookup(bound, "cache")
         if cache is None:
             cache = _lookup(bound, "past_key_values")
         continuing = cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0
@@ -152,13 +152,17 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
             step.grad = inside_reentrant_checkpoint()  # (the stack above the model, walked once per forward)
         tracker.depth += 1
         try:
-            return inner(*args, **kwargs)
+            out = inner(*args, **kwargs)
         except BaseException:
             for queue in hub.pending:  # a forward that raised is never backwarded
                 queue.drop(step=step)
+            hub.taken.clear()  # nor recorded
             raise
         finally:
             tracker.depth -= 1
             tracker.current = None
+        if hub.taken:
+            hub.hand_over(step)
+        return out
 
     return forward

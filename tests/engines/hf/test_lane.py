@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import left_padded, tiny_qwen3_moe
 
-from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
+from moe_replay import LayerInfo, ReplayError, Routes, UnsupportedModelError, record_routes, replay_routes
 from moe_replay.engines.hf import hub as hub_module
 from moe_replay.engines.hf.facts import router_facts
 
@@ -139,6 +139,7 @@ def test_a_context_reuses_a_span_conversion_only_while_routes_and_given_indices_
         edited.indices.copy_(rec.routes.indices)  # the routes edited in place, inside the context
         assert torch.equal(used(), rec.routes.indices[routes.mask])
         hook = gate.register_forward_hook(zero_indices)  # a router that edits the indices it was given, in place
-        used()
+        with pytest.raises(UnsupportedModelError, match="changed in place after it returned them"):
+            used()  # (which its recording refuses: it would record the experts given, not the ones used)
         hook.remove()
         assert torch.equal(used(), rec.routes.indices[routes.mask])  # given fresh ones
