@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import torch
@@ -72,3 +73,11 @@ def sampled(
     with record_routes(model) as rec:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **kwargs)
     return out, rec.routes
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a gloo rendezvous (a fixed port collides when two test runs share the
+    machine)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

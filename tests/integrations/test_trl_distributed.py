@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 pytest.importorskip("trl")
 
@@ -17,12 +18,12 @@ HERE = Path(__file__).parent
 
 
 def test_two_processes_replay_their_own_rows(tmp_path):
-    procs = []
+    procs, port = [], free_port()
     for rank in range(2):
         env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": "29593",
+            "MASTER_PORT": str(port),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": "2",

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_worker import worker
+from helpers import free_port
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_distributed")
-    torch.multiprocessing.spawn(worker, args=(str(out), 29581), nprocs=2, join=True)
+    torch.multiprocessing.spawn(worker, args=(str(out), free_port()), nprocs=2, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
 
 

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
+from helpers import free_port  # noqa: E402
 from megatron_utils import EXPERTS, LAYERS, TOP_K, batch, megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
 
 import moe_replay  # noqa: E402
@@ -26,7 +27,7 @@ from moe_replay.routes import LayerInfo  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_process():
-    with megatron_cpu(port=29541):
+    with megatron_cpu(port=free_port()):
         yield
 
 

@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
+from helpers import free_port  # noqa: E402
 from megatron_utils import batch, megatron_cpu, parallel_worker, perturb_routers, tiny_gpt  # noqa: E402
 
 from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
@@ -19,7 +20,7 @@ def references(tmp_path_factory):
     the same model with perturbed routers replaying those routes."""
     out = tmp_path_factory.mktemp("megatron_parallel")
     found = {}
-    with megatron_cpu(port=29551):
+    with megatron_cpu(port=free_port()):
         for seed in (0, 1):
             model = tiny_gpt()
             tokens, pos, mask, labels = batch(b=3, s=8, seed=seed)
@@ -34,10 +35,10 @@ def references(tmp_path_factory):
     return out, found
 
 
-@pytest.mark.parametrize("mode,port", [("ep", 29561), ("tp", 29571)])
-def test_two_ranks_replay_exactly_and_match_one_process(references, mode, port):
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_two_ranks_replay_exactly_and_match_one_process(references, mode):
     out, found = references
-    torch.multiprocessing.spawn(parallel_worker, args=(mode, str(out), port), nprocs=2, join=True)
+    torch.multiprocessing.spawn(parallel_worker, args=(mode, str(out), free_port()), nprocs=2, join=True)
     for rank in (0, 1):
         seen = torch.load(out / f"rank{rank}.pt")
         seed = 0 if mode == "tp" else rank

@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
+from helpers import free_port  # noqa: E402
 from megatron_utils import megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
 from pipeline_worker import PATTERN, micro_batches, pipeline_worker  # noqa: E402
 
@@ -23,7 +24,7 @@ def reference():
     """Per micro-batch count: the unsplit model's routes, then, with perturbed routers replaying them, the per-token
     losses and the gradients of the schedule's loss (the mean of the micro-batches' mean token losses)."""
     found = {}
-    with megatron_cpu(port=29603):
+    with megatron_cpu(port=free_port()):
         for n in COUNTS:
             model = tiny_gpt(num_layers=len(PATTERN), moe_layer_freq=PATTERN)
             data = micro_batches(n)
@@ -48,7 +49,7 @@ RUNS = [(None, COUNTS), (2, (4,))]  # 1F1B with 2 and 4 micro-batches; interleav
 def pipeline_runs(tmp_path_factory):
     """What the two pipeline ranks saved (one spawn for every layout: starting ranks costs more than running them)."""
     out = tmp_path_factory.mktemp("megatron_pipeline")
-    torch.multiprocessing.spawn(pipeline_worker, args=(RUNS, str(out), 29613), nprocs=2, join=True)
+    torch.multiprocessing.spawn(pipeline_worker, args=(RUNS, str(out), free_port()), nprocs=2, join=True)
     return out
 
 

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
+from helpers import free_port  # noqa: E402
 from megatron_utils import batch, megatron_cpu, tiny_gpt  # noqa: E402
 
 import moe_replay  # noqa: E402
@@ -64,7 +65,7 @@ def test_another_stages_routes_or_a_wrong_layer_count_are_refused():
 
 
 def test_a_list_of_modules_is_one_ranks_chunks():
-    with megatron_cpu(port=29633):
+    with megatron_cpu(port=free_port()):
         model = tiny_gpt()
         tokens, pos, mask, _ = batch()
         with moe_replay.record_routes([model]) as rec:  # a one-chunk list is the model
