@@ -24,8 +24,8 @@ Taken = tuple[str, torch.Tensor, int | None, int]
 
 @dataclass
 class Block:
-    """Consecutive steps of a stream, from position `start`: `indices` [B, t, L, K], its router calls' in call order
-    (`names`)."""
+    """Consecutive steps of a stream, from position `start`: `indices` [B, t, L, K], its router calls' indices in call
+    order (`names`)."""
 
     start: int
     names: tuple[str, ...]
@@ -40,8 +40,9 @@ class Stream:
     batch: int
     steps: list[Step] = field(default_factory=list)
     blocks: list[Block] = field(default_factory=list)
-    held: list[tuple[tuple[torch.Tensor, ...], tuple[int | None, ...]]] = field(default_factory=list)  # per step:
-    held_names: tuple[str, ...] = ()  # its router calls' indices as returned and their versions then, and its layers
+    # per held step: its router calls' indices as returned and their versions then; `held_names`: their layers
+    held: list[tuple[tuple[torch.Tensor, ...], tuple[int | None, ...]]] = field(default_factory=list)
+    held_names: tuple[str, ...] = ()
     problem: Exception | None = None  # found while copying, raised when the routes are built
     masks: list[torch.Tensor] = field(default_factory=list)  # bool [B, t] pieces covering the steps from position 0
     # decode steps of a generate whose padding is read once, from the latest of their masks (each step's mask is the
