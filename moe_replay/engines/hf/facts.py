@@ -6,6 +6,7 @@ live on the model (not in module globals) so they are learned once per model and
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -52,16 +53,21 @@ def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
     return facts
 
 
-def facts_for(model: nn.Module, router: nn.Module) -> RouterFacts:
-    """The (possibly still empty) facts about `router`'s class on `model`: new ones if the class's `forward` was
-    replaced since they were learned (a kernel library or a user patching the class between contexts)."""
+def facts_for(model: nn.Module, classes: Iterable[type]) -> dict[type, RouterFacts]:
+    """The (possibly still empty) facts about each router class in `classes` on `model`: new ones for a class whose
+    `forward` was replaced since they were learned (a kernel library or a user patching the class between contexts).
+
+    Example:
+        >>> facts_for(model, {Qwen3MoeTopKRouter})[Qwen3MoeTopKRouter].redirect  # doctest: +SKIP
+        {False: 1}
+    """
     facts = router_facts(model)
-    cls = type(router)
-    forward = getattr(cls, "forward", None)
-    found = facts.get(cls)
-    if found is None or found.forward is not forward:
-        found = facts[cls] = RouterFacts(forward=forward)
-    return found
+    for cls in classes:
+        forward = getattr(cls, "forward", None)
+        found = facts.get(cls)
+        if found is None or found.forward is not forward:
+            facts[cls] = RouterFacts(forward=forward)
+    return facts
 
 
 def signature_cache(model: nn.Module) -> dict:

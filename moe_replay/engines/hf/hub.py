@@ -29,14 +29,14 @@ from .call import InterceptMode, Recorder, Replayer, RouterCall, num_scores, out
 from .discover import RouterSite
 from .facts import facts_for, signature_cache
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
-from .lane import lane_forward, run_lane
+from .lane import lane_ready, run_lane
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
-from .recompute import Pending, RecomputeQueue, fingerprint, will_be_recomputed
+from .recompute import RecomputeQueue, at_router
 from .redirect import Redirects, redirectable
 from .selectors import TopK, selectors_for
 from .steps import Step, StepTracker, step_wrapper
-from .stream import Taken
+from .stream import Taken, take
 
 
 class RouterHub:
@@ -61,15 +61,19 @@ class RouterHub:
         self.tracker = StepTracker(signature_cache(self.model))
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
-        if not all(q.empty for q in self.pending):  # (a kept hub's queues are empty once its contexts closed)
-            self.pending = [RecomputeQueue(s.name) for s in self.sites]
-        facts = {type(s.router): facts_for(self.model, s.router) for s in self.sites}  # per context: a class may
-        self.facts = [facts[type(s.router)] for s in self.sites]  # have been patched since
+        for queue in self.pending:  # (a kept hub's queues are empty once its contexts closed)
+            if queue.items or queue.done:
+                self.pending = [RecomputeQueue(s.name) for s in self.sites]
+                break
+        facts = facts_for(self.model, {type(s.router) for s in self.sites})  # per context: a class may have been
+
+        self.facts = [facts[type(s.router)] for s in self.sites]  # patched since
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
-        self.taken: list[Taken] = []  # recorded router calls of the running step (`_take`)
+        self.taken: list[Taken] = []  # recorded router calls of the running step (`take`)
+        self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
         self.generating = 0  # generate calls on the stack (generation.py)
         self.synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
 
@@ -94,40 +98,48 @@ class RouterHub:
                 hub._reset()
             else:
                 hub = layout.kept["hub"] = cls(model, layout)
-            for site in hub.sites:
-                other = patched_by(site.router.__dict__.get("forward"))
-                if other is not None:
-                    raise NestedContextError(
-                        f"router {site.name!r} is already hooked by a context opened on "
-                        f"{type(other.model).__name__}; open every record/replay context of a model on the same module"
-                    )
             try:
                 hub._install()
             except BaseException:
                 hub._patches.undo()
                 raise
         (hub.replayers if replay else hub.recorders).append(handler)
+        hub.lane_step = None
         return hub
 
     def detach(self, handler: Recorder | Replayer) -> None:
         """Remove `handler`; the last one out removes every hook and the hub itself."""
         for group in (self.recorders, self.replayers):
-            if any(h is handler for h in group):
-                group[:] = [h for h in group if h is not handler]
+            for h in group:
+                if h is handler:
+                    group[:] = [h for h in group if h is not handler]
+                    break
+        self.lane_step = None
         for queue in self.pending:
-            if not queue.empty:
+            if queue.items or queue.done:
                 queue.drop(handler)
         if not self.recorders and not self.replayers:
             self._patches.undo()
 
     def pending_for(self, handler: Replayer) -> int:
         """Replayed router calls still waiting for their recompute in the backward."""
-        return sum(queue.count(handler) for queue in self.pending if not queue.empty)
+        n = 0
+        for queue in self.pending:
+            if queue.items:
+                n += queue.count(handler)
+        return n
 
     def _install(self) -> None:
         wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
         if wrapped == self._installed and self._patches.redo():  # the last context's patches, set again as they were
-            return
+            return  # (which also means no other hub's patch is on its modules)
+        for site in self.sites:
+            other = patched_by(site.router.__dict__.get("forward"))
+            if other is not None:
+                raise NestedContextError(
+                    f"router {site.name!r} is already hooked by a context opened on "
+                    f"{type(other.model).__name__}; open every record/replay context of a model on the same module"
+                )
         self._installed = None  # until every patch below is set (a failed install is undone, never redone)
         self._patches.set(self.model, MARKER, self)
         patch = partial(self._patches.patch, kept=self._wrappers)
@@ -157,6 +169,7 @@ class RouterHub:
         calls over each token's scores are all `torch.topk` calls there."""
         is_router = logits_index is not None
         router = self.sites[i].router
+        own_copy = self._redirects.forward(router, inner) if is_router else None  # its forward, top-k redirected
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             call = self._calls[i]
@@ -168,31 +181,37 @@ class RouterHub:
                     if j is not None and step is not None and not in_backward():
                         out = inner(*args, **kwargs)
                         found = out if type(out) is tuple else outputs(out)
-                        self._take(self._layer(i, step), found[j], found[logits_index].shape[-1])
+                        take(self.taken, self._layer(i, step), found[j], found[logits_index].shape[-1])
                         return out
-                elif not self.recorders:
-                    redirected = lane_forward(self, i, inner, step)
-                    if redirected is not None:  # a replay alone, of a redirected router: lane.py
-                        layer = self._layer(i, step)
-                        plan = self.replayers[-1].plan(layer, step)
-                        if plan is None:  # a dummy forward past the routes: routed live
-                            return inner(*args, **kwargs)
-                        return run_lane(
-                            self._redirects, redirected, router, layer, plan, step.tokens, logits_index, args, kwargs
-                        )
+                elif (
+                    own_copy is not None
+                    and not self.recorders
+                    and step is not None
+                    and self.router_only[i]
+                    and self.facts[i].redirect.get(router.training, 0) == 1
+                    and not in_backward()
+                    and (step is self.lane_step or lane_ready(self, step))
+                ):  # a replay alone, of a redirected router: lane.py
+                    layer = self._layer(i, step)
+                    plan = self.replayers[-1].plan(layer, step)
+                    if plan is None:  # a dummy forward past the routes: routed live
+                        return inner(*args, **kwargs)
+                    return run_lane(
+                        self._redirects, own_copy, router, layer, plan, step.tokens, logits_index, args, kwargs
+                    )
             opened = call is None
             if opened:
                 call = self._calls[i] = self._begin(i)
             if is_router and not call.at_router:
                 call.at_router = True
-                self._at_router(call, args, kwargs)
+                at_router(self, call, args, kwargs)
             fast = call.plan is None and not call.recompute and self._fast_index(i) is not None
             intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
             redirected, ranked = None, 0
             if intercept and is_router:
                 ranked = self.facts[i].redirect.get(router.training, 0)
                 if ranked:
-                    redirected = self._redirects.forward(router, inner)
+                    redirected = own_copy
             if intercept and not call.selectors:  # made only for a call that intercepts (not a fast recording)
                 makers = self.selectors[i]  # a redirected router's one top-k goes to the plain one, the last
                 one = redirected is not None and ranked == 1
@@ -230,7 +249,7 @@ class RouterHub:
     def _begin(self, i: int) -> RouterCall:
         """Open one router call: which layer it is, which routes it must use, whether it is recorded."""
         site = self.sites[i]
-        if in_backward():  # a checkpoint recompute: its plan is found when the router runs (`_at_router`)
+        if in_backward():  # a checkpoint recompute: its plan is found when the router runs (`at_router`)
             return RouterCall(i, site, site.name, None, None, record=False, recompute=True)
         step = self.tracker.current
         if step is None:
@@ -252,40 +271,11 @@ class RouterHub:
         self._occurrence[i] = (step, n)
         return f"{self.sites[i].name}#{n}" if n else self.sites[i].name
 
-    def _take(self, layer: str, indices: Any, num_experts: int) -> None:
-        """Hold the top-k indices of router call `layer` (as the router returned them) until its step's forward
-        returns, when the recorders take the whole step (`hand_over`). Their version counter is read now, so that an
-        edit in place before they are copied is caught; an inference tensor, whose edits are not counted, is copied
-        now."""
-        try:
-            v = indices._version
-        except RuntimeError:  # "Inference tensors do not track version counter."
-            v, indices = None, indices.clone()
-        self.taken.append((layer, indices, v, num_experts))
-
     def hand_over(self, step: Step) -> None:
         """Give the recorders the router calls of `step`, whose forward has returned."""
         taken, self.taken = self.taken, []
         for rec in self.recorders:
             rec.record_step(step, taken)
-
-    def _at_router(self, call: RouterCall, args: tuple, kwargs: dict) -> None:
-        """On entering the router module (inside any checkpoint around its layer): queue a replayed call that the
-        backward will recompute, or give a recompute the plan of the forward it re-runs."""
-        queue = self.pending[call.index]
-        if call.recompute:
-            queued = queue.take(args, kwargs)
-            if queued is not None:
-                call.layer, call.step, call.plan = queued.layer, queued.step, queued.plan
-                call.selectors = [make(call) for make in self.selectors[call.index]]
-            elif self.replayers:  # the forward was replayed but not seen to be checkpointed: never route it live
-                raise ReplayError(
-                    f"router {call.layer!r} is recomputed in the backward but no replayed forward awaits it: a "
-                    "checkpoint moe-replay did not recognise (other saved-tensor hooks inside it?), or a forward run "
-                    "outside `with replay_routes(...)`"
-                )
-        elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
-            queue.add(Pending(self.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))
 
     def _fast_index(self, i: int) -> int | None:
         """Where in router `i`'s output its top-k's indices are, if its call can be recorded from that alone (see
@@ -299,7 +289,7 @@ class RouterHub:
         if call.plan is None and call.record and call.router_out is not None and not call.active:
             j = facts.output_index.get(router.training)
             if j is not None:  # recorded from the router's output
-                self._take(call.layer, outputs(call.router_out)[j], call.num_experts)
+                take(self.taken, call.layer, outputs(call.router_out)[j], call.num_experts)
                 return
         if not self.router_only[i] and call.active:
             self.router_only[i] = facts.topk_in_router = not call.outside_router
@@ -315,4 +305,4 @@ class RouterHub:
             facts.output_index[router.training] = next(
                 (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
             )
-        self._take(call.layer, idx, call.num_experts)
+        take(self.taken, call.layer, idx, call.num_experts)

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..autograd import in_backward
 from .call import Plan, check_experts, not_applied, num_scores
 from .recompute import will_be_recomputed
 from .redirect import Redirects
@@ -45,21 +44,21 @@ class Lane:
         return torch.topk(*args, **kwargs)
 
 
-def lane_forward(hub: Any, i: int, inner: Any, step: Step | None) -> types.FunctionType | None:
-    """The redirected forward of `hub`'s router `i` (hub.py) if its call in `step` can run in the lane: its one top-k
-    over each token's scores is redirected, and the call has nothing to record (asked by the hub), no recompute to
-    queue for and no live picks to count; else None. `inner`: what the router's forward wrapper wraps.
+def lane_ready(hub: Any, step: Step) -> bool:
+    """Whether a replayed router call of `hub` (hub.py) in `step` has, as far as the step goes, nothing to do but its
+    redirected top-k: no live picks to count and no recompute to queue for. A step run without grad and outside any
+    checkpoint stays ready to its end: it is kept as `hub.lane_step`, so the next calls skip these checks. (The caller
+    checks the rest per call: no recorder, not in a backward, a router with one redirected top-k.)
 
     Example:
-        >>> lane_forward(hub, 0, router.forward, hub.tracker.current)  # doctest: +SKIP
-        <function Qwen3MoeTopKRouter.forward ...>
+        >>> lane_ready(hub, hub.tracker.current)  # doctest: +SKIP
+        True
     """
-    router = hub.sites[i].router
-    if step is None or not hub.router_only[i] or hub.facts[i].redirect.get(router.training, 0) != 1:
-        return None
-    if in_backward() or hub.replayers[-1].track_live or will_be_recomputed(step):
-        return None
-    return hub._redirects.forward(router, inner)
+    if hub.replayers[-1].track_live or will_be_recomputed(step):
+        return False
+    if step.grad is False:  # (set by will_be_recomputed): no router call of this step is recomputed
+        hub.lane_step = step
+    return True
 
 
 def run_lane(

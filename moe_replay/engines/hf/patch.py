@@ -27,6 +27,7 @@ class _Entry:
     had_own: bool
     previous: Any
     shared: Any  # the class's attribute of that name when set (what a wrapper of the class's method wraps)
+    wraps: bool = False  # a wrapper of the module's method (`Patches.patch`), valid while that method is unchanged
 
     def apply(self) -> None:
         self.module.__dict__[self.attr] = self.value
@@ -51,15 +52,17 @@ class Patches:
         self.owner = owner
         self._entries: list[_Entry] = []
         self._undone: list[_Entry] = []  # what the last `undo` removed, in the order it was set (see `redo`)
-        self._copyable: set[int] = set()
+        self._copyable: set[int] = set()  # ids of the modules given a copy hook
+        self._undone_copyable: set[int] = set()  # those of `_undone`
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def set(self, module: nn.Module, attr: str, value: Any) -> None:
-        """Set `module.<attr>` to `value` on the instance until `undo`."""
+    def set(self, module: nn.Module, attr: str, value: Any, wraps: bool = False) -> None:
+        """Set `module.<attr>` to `value` on the instance until `undo` (`wraps`: the value wraps the method it
+        replaces)."""
         own = module.__dict__
-        entry = _Entry(module, attr, value, attr in own, own.get(attr), getattr(type(module), attr, None))
+        entry = _Entry(module, attr, value, attr in own, own.get(attr), getattr(type(module), attr, None), wraps)
         entry.apply()
         self._entries.append(entry)
         if id(module) not in self._copyable:
@@ -72,7 +75,7 @@ class Patches:
         own, shared = module.__dict__.get(attr), getattr(type(module), attr, None)
         found = kept.get((id(module), attr)) if kept is not None else None
         if found is not None and found[0] is module and found[1] is own and found[2] is shared:
-            self.set(module, attr, found[3])  # what it wraps is what it wrapped: the module's own or class method
+            self.set(module, attr, found[3], wraps=True)  # it wraps what it wrapped: the module's own or class method
             return
         inner = getattr(module, attr)
         wrapper = make(inner)
@@ -83,16 +86,20 @@ class Patches:
         setattr(wrapper, MARKER, self.owner)
         if kept is not None:
             kept[id(module), attr] = (module, own, shared, wrapper)
-        self.set(module, attr, wrapper)
+        self.set(module, attr, wrapper, wraps=True)
 
     def undo(self) -> None:
         """Remove every attribute, last first (idempotent)."""
         entries, self._entries = self._entries, []
-        for entry in reversed(entries):
-            entry.remove()
+        for e in reversed(entries):  # (`_Entry.remove`, inlined: this runs per context)
+            own = e.module.__dict__
+            if e.had_own:
+                own[e.attr] = e.previous
+            elif e.attr in own:
+                del own[e.attr]
         if entries:
-            self._undone = entries
-        self._copyable.clear()
+            self._undone, self._undone_copyable = entries, self._copyable
+        self._copyable = set()
 
     def redo(self) -> bool:
         """Set again every attribute the last `undo` removed, if nothing is set now and every module still has, on
@@ -103,16 +110,19 @@ class Patches:
         entries = self._undone
         if self._entries or not entries:
             return False
-        for e in entries:  # plain loop, no calls per entry: this runs per context
+        for e in entries:  # plain loop, as few calls as can be: this runs per context
             own = e.module.__dict__
-            if (e.attr in own) is not e.had_own or own.get(e.attr) is not e.previous:
+            if e.attr in own:
+                if not e.had_own or own[e.attr] is not e.previous:
+                    return False
+            elif e.had_own:
                 return False
-            if getattr(type(e.module), e.attr, None) is not e.shared:
+            if e.wraps and getattr(type(e.module), e.attr, None) is not e.shared:
                 return False
         for e in entries:
             e.module.__dict__[e.attr] = e.value
         self._entries, self._undone = entries, []
-        self._copyable = {id(e.module) for e in entries}
+        self._copyable = self._undone_copyable
         return True
 
     @contextmanager

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import ReplayError
 from ..autograd import inside_reentrant_checkpoint
-from .call import Plan
+from .call import Plan, RouterCall
 from .steps import Step
 
 FINGERPRINT = 64  # elements of the router input kept per queued call to tell calls apart
@@ -138,3 +138,26 @@ def _equal_plans(plans: list[Plan]) -> bool:
             and torch.equal(p.mask, first.mask)
             for p in plans[1:]
         )
+
+
+def at_router(hub: Any, call: RouterCall, args: tuple, kwargs: dict) -> None:
+    """On entering the router module of `call` (inside any checkpoint around its layer): queue a replayed call that the
+    backward will recompute in `hub.pending` (hub.py), or give a recompute the plan of the forward it re-runs.
+
+    Example:
+        >>> at_router(hub, call, (hidden_states,), {})  # doctest: +SKIP
+    """
+    queue = hub.pending[call.index]
+    if call.recompute:
+        queued = queue.take(args, kwargs)
+        if queued is not None:
+            call.layer, call.step, call.plan = queued.layer, queued.step, queued.plan
+            call.selectors = [make(call) for make in hub.selectors[call.index]]
+        elif hub.replayers:  # the forward was replayed but not seen to be checkpointed: never route it live
+            raise ReplayError(
+                f"router {call.layer!r} is recomputed in the backward but no replayed forward awaits it: a "
+                "checkpoint moe-replay did not recognise (other saved-tensor hooks inside it?), or a forward run "
+                "outside `with replay_routes(...)`"
+            )
+    elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
+        queue.add(Pending(hub.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))

@@ -103,6 +103,8 @@ class Redirects:
         forward = type(router).forward
         if getattr(inner, "__func__", None) is not forward or getattr(inner, "__self__", None) is not router:
             return None
+        if not isinstance(forward, types.FunctionType):  # (a compiled or C method has no code to copy)
+            return None
         found = self._forwards.get(forward)
         if found is None:
             found = self._forwards[forward] = redirected_forward(forward, self._topk)

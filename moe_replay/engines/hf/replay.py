@@ -22,20 +22,25 @@ def columns_for(hub: RouterHub, layers: tuple[LayerInfo, ...], owner: str) -> di
     """`match_layers` of the hub's routers against `layers`, kept with the model's layout (a context per minibatch
     asks the same question each time)."""
     kept = hub.layout.kept
+    last = kept.get("columns")  # the last answer, found without hashing every LayerInfo
+    if last is not None and last[0] is layers and last[1] == owner:
+        return last[2]
     key = ("columns", layers, owner)
     found = kept.get(key)
     if found is None:
         found = kept[key] = match_layers([s.name for s in hub.sites], layers, owner)
+    kept["columns"] = (layers, owner, found)
     return found
 
 
 class Span(NamedTuple):
     """What the forwards of one span of positions replay: its mask [N], whether all of it is recorded, and for a small
-    forward each layer's indices as int64 [N, K], views of one converted tensor `base` taken at version `version`."""
+    forward each layer's `Plan`, whose indices int64 [N, K] are views of one converted tensor `base` taken at version
+    `version`."""
 
     mask: torch.Tensor
     all_recorded: bool
-    every_layer: tuple[torch.Tensor, ...] | None
+    plans: tuple[Plan, ...] | None
     base: torch.Tensor | None
     version: int | None
 
@@ -64,7 +69,7 @@ class RouteReplayer:
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
         self._columns: dict[str, int] = {}
-        self._span: tuple | None = None  # the current forward's (see `_step_span`)
+        self._span: tuple[Step, Span | None] | None = None  # the current forward's step and span (`plan`)
 
     def __enter__(self) -> RouteReplayer:
         if self._hub is not None:
@@ -85,7 +90,7 @@ class RouteReplayer:
             return
         waiting = self._hub.pending_for(self)
         self._hub.detach(self)
-        self._hub = None
+        self._hub = self._last = self._span = None  # (the plans of a kept span point back at this replayer)
         if exc_type is not None:
             return
         if waiting:
@@ -102,29 +107,27 @@ class RouteReplayer:
             raise ReplayError(f"router call {name!r} has no routes: the routes hold layers {r.layer_names}")
         span = self._span
         if span is None or span[0] is not step:  # the first router call of this forward: check and slice once
-            span = self._span = self._step_span(step)
-        _, mask, all_recorded, every_layer = span
-        if mask is None:
+            span = self._span = (step, self._step_span(step))
+        found = span[1]
+        if found is None:
             return None
         start, end = step.start, step.start + step.length
-        info = r.layers[layer]
-        if every_layer is not None:
-            indices = every_layer[layer]
-        else:
-            indices = r.indices[:, start:end, layer].long().reshape(step.tokens, info.top_k)
         self._covered.add((start, end, layer))
-        return Plan(indices, mask, info.num_experts, info.top_k, all_recorded, self, layer, self.track_live)
+        if found.plans is not None:
+            return found.plans[layer]
+        info = r.layers[layer]
+        indices = r.indices[:, start:end, layer].long().reshape(step.tokens, info.top_k)
+        return Plan(indices, found.mask, info.num_experts, info.top_k, found.all_recorded, self, layer, self.track_live)
 
-    def _step_span(self, step: Step) -> tuple[Step, torch.Tensor | None, bool, tuple[torch.Tensor, ...] | None]:
-        """(step, its positions' mask [N] or None when the step is not replayed, whether all are recorded, and for a
-        small forward each layer's indices as int64 [N, K]), after checking that the routes cover the step. A forward
-        of the same span as the last one (in one context) reuses its conversion."""
+    def _step_span(self, step: Step) -> Span | None:
+        """The replay data of the step's positions (None when the step is not replayed), after checking that the
+        routes cover the step. A forward of the same span as the last one (in one context) reuses its conversion."""
         r = self.routes
         if step.batch != r.batch_size:
             raise ReplayError(f"routes hold B={r.batch_size} sequences but the forward has batch {step.batch}")
         end = step.start + step.length
         if step.synced and step.start >= r.seq_len - 1:
-            return step, None, True, None  # a dummy forward of a rank that finished early (generate(synced_gpus=True))
+            return None  # a dummy forward of a rank that finished early (generate(synced_gpus=True))
         if end > r.seq_len:
             raise ReplayError(
                 f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"
@@ -133,8 +136,7 @@ class RouteReplayer:
         last = self._last
         if last is None or last[0] != key or None in key or not last[1].intact():  # (None: inference tensors)
             last = self._last = (key, self._convert(step.start, end))
-        span = last[1]
-        return step, span.mask, span.all_recorded, span.every_layer
+        return last[1]
 
     def _convert(self, start: int, end: int) -> Span:
         """The replay data of positions [start, end) (see `Span`)."""
@@ -147,7 +149,14 @@ class RouteReplayer:
             return Span(mask, all_recorded, None, None, 0)
         part = (r.indices if full else r.indices[:, start:end]).movedim(2, 0)  # [L, B, t, K]
         converted = part.to(torch.long, memory_format=torch.contiguous_format)  # one conversion for all layers
-        return Span(mask, all_recorded, converted.view(L, N, K).unbind(0), converted, version(converted))
+        per_layer = zip(converted.view(L, N, K).unbind(0), r.layers, strict=True)
+        plans = tuple(  # (a list, not a generator: fewer calls)
+            [
+                Plan(indices, mask, info.num_experts, info.top_k, all_recorded, self, layer, self.track_live)
+                for layer, (indices, info) in enumerate(per_layer)
+            ]
+        )
+        return Span(mask, all_recorded, plans, converted, version(converted))
 
     def groups_used(self, layer: int, G: int) -> int:
         """The most of G expert groups that any recorded token of `layer` uses (one host read per layer and G, over
@@ -189,7 +198,7 @@ class RouteReplayer:
         for start, end, layer in sorted(self._covered):
             if start <= reach[layer]:
                 reach[layer] = max(reach[layer], end)
-        if all(r >= T for r in reach):
+        if min(reach, default=T) >= T:
             return
         covered = torch.zeros(self.routes.seq_len, len(self.routes.layers), dtype=torch.bool)
         for start, end, layer in self._covered:

@@ -160,7 +160,7 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
             raise
         finally:
             tracker.depth -= 1
-            tracker.current = None
+            tracker.current = hub.lane_step = None
         if hub.taken:
             hub.hand_over(step)
         return out

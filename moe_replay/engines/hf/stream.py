@@ -167,3 +167,21 @@ class Stream:
             masks = [*masks, masks[0].new_zeros(self.batch, total - end)]
         # new tensors, also of one part: the routes share nothing with the blocks, nor the caller's `&=` with the masks
         return torch.cat(parts, 1), torch.cat(masks, 1)
+
+
+def take(taken: list[Taken], layer: str, indices: torch.Tensor, num_experts: int) -> None:
+    """Hold the top-k indices of router call `layer` in `taken` (as the router returned them) until its step's forward
+    returns, when the recorders take the whole step. Their version counter is read now, so that an edit in place before
+    they are copied is caught; an inference tensor, whose edits are not counted, is copied now.
+
+    Example:
+        >>> held = []
+        >>> take(held, "model.layers.0.mlp.gate", torch.tensor([[1, 3]]), 8)
+        >>> held[0][0], held[0][2]
+        ('model.layers.0.mlp.gate', 0)
+    """
+    try:
+        v = indices._version
+    except RuntimeError:  # "Inference tensors do not track version counter."
+        v, indices = None, indices.clone()
+    taken.append((layer, indices, v, num_experts))

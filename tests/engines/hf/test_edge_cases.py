@@ -144,6 +144,14 @@ def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
             with record_routes(qwen.model):
                 pass
     assert hook_count(qwen) == 0
+    with record_routes(qwen.model):  # both hubs are now kept, with patches they would set again as they were
+        pass
+    for outer, inner, name in ((qwen, qwen.model, "Qwen3MoeForCausalLM"), (qwen.model, qwen, "Qwen3MoeModel")):
+        with record_routes(outer):
+            with pytest.raises(ReplayError, match=f"already hooked by a context opened on {name}"):
+                with record_routes(inner):
+                    pass
+        assert hook_count(qwen) == 0
 
 
 def test_scalar_tensor_index_keeps_batch_dim(qwen):
