@@ -64,7 +64,8 @@ class RouteReplayer:
         self._moved = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
         self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
         self._hub: RouterHub | None = None
-        self._mask_cpu = routes.mask.cpu()  # read on the host (whether a span is all recorded): copied once here
+        mask = routes.mask  # read on the host (whether a span is all recorded): a device's copied once here
+        self._mask_cpu = mask if mask.device.type == "cpu" else mask.cpu()
         self._last: tuple[tuple[int, ...], Span] | None = None  # the last span's key and conversion: forwards repeat
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
@@ -147,9 +148,9 @@ class RouteReplayer:
         L, K, N = len(r.layers), r.indices.shape[-1], mask.numel()
         if N * L * K > SMALL_FORWARD:  # converted per router call instead
             return Span(mask, all_recorded, None, None, 0)
-        part = (r.indices if full else r.indices[:, start:end]).movedim(2, 0)  # [L, B, t, K]
-        converted = part.to(torch.long, memory_format=torch.contiguous_format)  # one conversion for all layers
-        per_layer = zip(converted.view(L, N, K).unbind(0), r.layers, strict=True)
+        part = r.indices if full else r.indices[:, start:end]  # [B, t, L, K]
+        converted = part.to(torch.long, memory_format=torch.contiguous_format, copy=True)  # one for all layers
+        per_layer = zip(converted.view(N, L, K).unbind(1), r.layers, strict=True)  # [N, K] each, rows L*K apart
         plans = tuple(  # (a list, not a generator: fewer calls)
             [
                 Plan(indices, mask, info.num_experts, info.top_k, all_recorded, self, layer, self.track_live)
