@@ -65,9 +65,9 @@ class RouterHub:
             if queue.items or queue.done:
                 self.pending = [RecomputeQueue(s.name) for s in self.sites]
                 break
-        facts = facts_for(self.model, {type(s.router) for s in self.sites})  # per context: a class may have been
-
-        self.facts = [facts[type(s.router)] for s in self.sites]  # patched since
+        # looked up per context: a router class may have been patched since
+        facts = facts_for(self.model, {type(s.router) for s in self.sites})
+        self.facts = [facts[type(s.router)] for s in self.sites]
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)

@@ -33,6 +33,16 @@ def columns_for(hub: RouterHub, layers: tuple[LayerInfo, ...], owner: str) -> di
     return found
 
 
+def on_host(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is in host memory (read there without a copy).
+
+    Example:
+        >>> on_host(torch.zeros(2))
+        True
+    """
+    return tensor.device.type == "cpu"
+
+
 class Span(NamedTuple):
     """What the forwards of one span of positions replay: its mask [N], whether all of it is recorded, and for a small
     forward each layer's `Plan`, whose indices int64 [N, K] are views of one converted tensor `base` taken at version
@@ -64,8 +74,7 @@ class RouteReplayer:
         self._moved = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
         self._compared = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None
         self._hub: RouterHub | None = None
-        mask = routes.mask  # read on the host (whether a span is all recorded): a device's copied once here
-        self._mask_cpu = mask if mask.device.type == "cpu" else mask.cpu()
+        self._mask_copy: tuple[int | None, torch.Tensor] | None = None  # a device mask's host copy (`_host_mask`)
         self._last: tuple[tuple[int, ...], Span] | None = None  # the last span's key and conversion: forwards repeat
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
@@ -144,7 +153,8 @@ class RouteReplayer:
         r = self.routes
         full = start == 0 and end == r.seq_len  # a forward of the whole routes: no slices
         mask = (r.mask if full else r.mask[:, start:end]).reshape(-1)
-        all_recorded = bool((self._mask_cpu if full else self._mask_cpu[:, start:end]).all())
+        host = self._host_mask()
+        all_recorded = bool((host if full else host[:, start:end]).all())
         L, K, N = len(r.layers), r.indices.shape[-1], mask.numel()
         if N * L * K > SMALL_FORWARD:  # converted per router call instead
             return Span(mask, all_recorded, None, None, 0)
@@ -158,6 +168,18 @@ class RouteReplayer:
             ]
         )
         return Span(mask, all_recorded, plans, converted, version(converted))
+
+    def _host_mask(self) -> torch.Tensor:
+        """The routes' mask [B, T] to read on the host (whether a span is all recorded): a CPU mask itself; a device
+        mask's copy, made once per context (not per span: under `generate` every decode step is one) and again after
+        an edit in place."""
+        mask = self.routes.mask
+        if on_host(mask):
+            return mask
+        v = version(mask)
+        if self._mask_copy is None or v is None or v != self._mask_copy[0]:
+            self._mask_copy = (v, mask.to("cpu", copy=True))
+        return self._mask_copy[1]
 
     def groups_used(self, layer: int, G: int) -> int:
         """The most of G expert groups that any recorded token of `layer` uses (one host read per layer and G, over
@@ -204,7 +226,7 @@ class RouteReplayer:
         covered = torch.zeros(self.routes.seq_len, len(self.routes.layers), dtype=torch.bool)
         for start, end, layer in self._covered:
             covered[start:end, layer] = True
-        needed = self._mask_cpu.any(0)  # [T]
+        needed = self._host_mask().any(0)  # [T]
         missing = needed[:, None] & ~covered  # [T, L]
         if missing.any():
             layers = [self.routes.layers[i].name for i in missing.any(0).nonzero().flatten().tolist()]

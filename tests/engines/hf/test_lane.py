@@ -143,3 +143,32 @@ def test_a_context_reuses_a_span_conversion_only_while_routes_and_given_indices_
             used()  # (which its recording refuses: it would record the experts given, not the ones used)
         hook.remove()
         assert torch.equal(used(), rec.routes.indices[routes.mask])  # given fresh ones
+
+
+@pytest.mark.parametrize("device_mask", [False, True])
+def test_an_in_place_edit_of_the_routes_mask_inside_a_context_is_followed(monkeypatch, device_mask):
+    """Positions whose mask is set False in place, inside the context, route live from the next forward on; with a
+    mask on a device (as on a GPU; simulated here), the host copy that tells whether a span is all recorded is made
+    again after the edit."""
+    import moe_replay.engines.hf.replay as replay_module
+
+    if device_mask:
+        monkeypatch.setattr(replay_module, "on_host", lambda tensor: False)
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(2, 8, [0, 0])
+    routes = learned(model, ids, mask)[1]
+    other = tiny_qwen3_moe(seed=1)
+    with torch.no_grad(), record_routes(other) as rec:
+        other(ids, attention_mask=mask)
+    forced = Routes(rec.routes.indices.clone(), rec.routes.mask.clone(), rec.routes.layers)  # another model's picks
+
+    def used() -> torch.Tensor:
+        with record_routes(model) as seen:
+            model(ids, attention_mask=mask)
+        return seen.routes.indices
+
+    with torch.no_grad(), replay_routes(model, forced):
+        assert torch.equal(used()[forced.mask], rec.routes.indices[forced.mask])
+        forced.mask[1] = False  # the second sequence now routes live
+        now = used()
+    assert torch.equal(now[0], rec.routes.indices[0]) and torch.equal(now[1], routes.indices[1])
