@@ -52,15 +52,6 @@ class Step:
         return self._real
 
 
-def _lookup(bound: dict[str, Any], name: str) -> Any:
-    if name in bound:
-        return bound[name]
-    for value in bound.values():  # a **kwargs parameter of a wrapper
-        if isinstance(value, dict) and name in value:
-            return value[name]
-    return None
-
-
 class StepTracker:
     """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
     stream at the next position; any other forward starts a new stream at position 0."""
@@ -80,9 +71,9 @@ class StepTracker:
     def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
         """Open the step of an outermost forward (`forward` is the module's unwrapped forward)."""
         bound = self._arguments(forward, args, kwargs)
-        tokens = bound["input_ids"] if "input_ids" in bound else _lookup(bound, "input_ids")  # (the common case first)
+        tokens = bound.get("input_ids")
         if tokens is None:
-            tokens = _lookup(bound, "inputs_embeds")
+            tokens = bound.get("inputs_embeds")
         if tokens is None:
             tokens = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
@@ -91,9 +82,9 @@ class StepTracker:
                 f"{None if tokens is None else tuple(tokens.shape)}"
             )
         B, t = tokens.shape[0], tokens.shape[1]
-        cache = bound["cache"] if "cache" in bound else _lookup(bound, "cache")
+        cache = bound.get("cache")
         if cache is None:
-            cache = _lookup(bound, "past_key_values")
+            cache = bound.get("past_key_values")
         continuing = cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0
         if continuing:
             if self.stream < 0:
@@ -108,7 +99,7 @@ class StepTracker:
             self.stream += 1
             start = 0
         self.cursor, self.batch = start + t, B
-        mask = _lookup(bound, "attention_mask")
+        mask = bound.get("attention_mask")
         if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B and mask.shape[1] >= t):
             mask = None  # sliced to the step's columns only if a recorder asks (`Step.real`)
         grad = True if torch.is_grad_enabled() else None
@@ -116,9 +107,9 @@ class StepTracker:
         return self.current
 
     def _arguments(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The call's arguments by parameter name. Positional arguments map onto the leading positional parameters
-        (names cached per forward); a signature with *args, or more positional arguments than parameters, is bound
-        by `inspect`."""
+        """The call's arguments by parameter name, those of a `**kwargs` parameter among them. Positional arguments map
+        onto the leading positional parameters (names cached per forward); a signature with *args, or more positional
+        arguments than parameters, is bound by `inspect`."""
         found = self._signatures.get(forward)
         if found is None:
             sig = inspect.signature(forward)
@@ -131,7 +122,11 @@ class StepTracker:
         if not args:
             return kwargs
         if names is None or len(args) > len(names):
-            return sig.bind_partial(*args, **kwargs).arguments
+            bound = dict(sig.bind_partial(*args, **kwargs).arguments)
+            for p in sig.parameters.values():  # a wrapper's **kwargs, flattened
+                if p.kind == inspect.Parameter.VAR_KEYWORD and p.name in bound:
+                    return {**bound, **bound.pop(p.name)}
+            return bound
         return {**dict(zip(names, args, strict=False)), **kwargs}
 
 

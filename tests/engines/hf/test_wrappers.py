@@ -50,3 +50,23 @@ def test_torch_compile_records_and_replays_exactly(qwen):
     used, out = forced(compiled, ids, mask, expected)
     assert torch.equal(out.logits, logits) and torch.equal(used.indices, expected.indices)
     torch._dynamo.reset()
+
+
+def test_a_wrapper_taking_star_args_passes_its_keyword_arguments_through(qwen):
+    """A wrapper whose forward takes (*args, **kwargs) is bound by inspect: the attention mask in its **kwargs still
+    places the padding."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return self.inner(*args, **kwargs)
+
+    ids, mask = left_padded(2, 6, [0, 2])
+    wrapper = Wrapper(qwen)
+    with torch.no_grad(), record_routes(wrapper) as rec:
+        wrapper(ids, attention_mask=mask)
+    assert torch.equal(rec.routes.mask, mask.bool())
+    assert torch.equal(rec.routes.indices[mask.bool()], recorded(qwen, ids, mask).indices[mask.bool()])
