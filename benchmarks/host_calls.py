@@ -18,13 +18,11 @@ import argparse
 import sys
 from collections import Counter
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
-from run import TINY, build, generate_fn
+from host_cost import HELD, replay_forward
+from run import TINY, generate_fn
 from torch.overrides import TorchFunctionMode
-
-from moe_replay import record_routes, replay_routes
 
 
 class TorchCalls(TorchFunctionMode):
@@ -62,31 +60,21 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=0, help="also list the N functions that add the most calls")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = build(TINY, "cpu")
+    model, ours, held, plain, plain_held = replay_forward(TINY, batch=1, length=32)  # host_cost.py's works
     L = model.config.num_hidden_layers
-    ids = torch.randint(1, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad(), record_routes(model) as rec:
-        model(ids)
-    routes = rec.routes
-
-    def forwards(n: int, replay: bool) -> None:
-        with torch.no_grad(), replay_routes(model, routes) if replay else nullcontext():
-            for _ in range(n):
-                model(ids)
-
     works = {  # name: (ours, plain, router calls per repetition)
-        "replay forward": (lambda: forwards(1, True), lambda: forwards(1, False), L),
-        "replay forward, 10 per context": (lambda: forwards(10, True), lambda: forwards(10, False), 10 * L),
+        "replay forward": (ours, plain, L),
+        f"replay forward, {HELD} per context": (held, plain_held, HELD * L),
         "record generate": (generate_fn(model, 1, 32, "cpu", True), generate_fn(model, 1, 32, "cpu", False), 32 * L),
     }
     print(
         "work (tiny, B=1) | calls (Python and C): ours / plain | extra per router call | torch functions: ours / plain"
     )
-    for name, (ours, plain, calls) in works.items():
-        for fn in (ours, plain, ours, plain):  # warm-up: the first contexts learn the router class's facts
+    for name, (mine, without, calls) in works.items():
+        for fn in (mine, without, mine, without):  # warm-up: the first contexts learn the router class's facts
             fn()
         counted = {}
-        for label, fn in (("ours", ours), ("plain", plain)):
+        for label, fn in (("ours", mine), ("plain", without)):
             with TorchCalls() as mode:
                 fn()
             counted[label] = (python_calls(fn), mode.seen)

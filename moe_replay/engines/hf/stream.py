@@ -180,7 +180,7 @@ def take(taken: list[Taken], layer: str, indices: torch.Tensor, num_experts: int
         >>> held[0][0], held[0][2]
         ('model.layers.0.mlp.gate', 0)
     """
-    try:
+    try:  # (`autograd.version`, inlined: this runs once per recorded router call)
         v = indices._version
     except RuntimeError:  # "Inference tensors do not track version counter."
         v, indices = None, indices.clone()
