@@ -16,7 +16,9 @@ from a tiny C helper, loaded with ctypes, switches counting on and off). Counts 
 noise left is when Python's garbage collector happens to run, which the repetitions average over.
 Works (B=1, T=32, no grad, as in host_cost.py): a replayed forward with the context opened around it, 10 replayed
 forwards in one context, recording under `generate` of 32 new tokens, each against the same work without moe-replay.
-Writes benchmarks/results_host_instructions.csv (or --csv).
+Writes benchmarks/results_host_instructions.csv (or --csv). `--no-gc` collects, then turns the garbage collector off
+while counting: the counts then repeat exactly from run to run (for comparing two versions of the code; the CSV rows
+keep the collector on, as users run).
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ def build_group() -> object:
     return DeepseekV3ForCausalLM(config).eval()
 
 
-def child(work: str, model_name: str, reps: int, helper: str) -> None:
-    """Run `work` `reps` times with callgrind counting (this process runs under valgrind)."""
+def child(work: str, model_name: str, reps: int, helper: str, collect: bool) -> None:
+    """Run `work` `reps` times with callgrind counting (this process runs under valgrind), with the garbage collector
+    on or not (`collect`)."""
+    import gc
+
     import torch
     from run import REALISTIC, TINY, build, generate_fn
 
@@ -96,16 +101,19 @@ def child(work: str, model_name: str, reps: int, helper: str) -> None:
     for _ in range(3):
         fn()
     lib = ctypes.CDLL(helper)
+    if not collect:
+        gc.collect()
+        gc.disable()
     lib.start()
     for _ in range(reps):
         fn()
     lib.stop()
 
 
-def count(work: str, model_name: str, reps: int, helper: str) -> float:
+def count(work: str, model_name: str, reps: int, helper: str, collect: bool = True) -> float:
     """Instructions per repetition of `work`, from a fresh process under callgrind."""
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null", sys.executable,
-           __file__, "--child", work, model_name, str(reps), helper]  # fmt: skip
+           __file__, "--child", work, model_name, str(reps), helper, "gc" if collect else "no-gc"]  # fmt: skip
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -131,12 +139,13 @@ def build_helper(where: Path) -> str:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6] == "gc")
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=["tiny", "realistic", "group"], default=["tiny", "realistic"])
     ap.add_argument("--works", nargs="+", choices=list(WORKS), default=list(WORKS), help="default: all three")
     ap.add_argument("--csv", type=Path, default=Path(__file__).with_name("results_host_instructions.csv"))
+    ap.add_argument("--no-gc", action="store_true", help="garbage collector off while counting (exact repeats)")
     args = ap.parse_args()
     layers = {"tiny": 4, "realistic": 8, "group": 4}
     models = args.models
@@ -147,7 +156,8 @@ def main() -> int:
             for work in args.works:
                 ours, plain, reps, per_layer = WORKS[work]
                 reps = max(1, reps // (2 if model_name == "realistic" else 1))
-                a, b = count(ours, model_name, reps, helper), count(plain, model_name, reps, helper)
+                collect = not args.no_gc
+                a, b = count(ours, model_name, reps, helper, collect), count(plain, model_name, reps, helper, collect)
                 row = {
                     "work": f"{work}, {model_name}, B=1",
                     "ours_minstr": round(a / 1e6, 3),

@@ -84,6 +84,7 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
             hub.generating -= 1
             hub.synced = False
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        hub.hand_over()
         if isinstance(sequences, torch.Tensor):
             streams = range(first, hub.tracker.stream + 1)
             eos, prompt_mask = eos_token_ids(hub.model, kwargs), kwargs.get("attention_mask")

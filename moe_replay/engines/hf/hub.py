@@ -21,6 +21,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 
 from ...errors import NestedContextError, ReplayError
@@ -69,10 +70,12 @@ class RouterHub:
         facts = facts_for(self.model, {type(s.router) for s in self.sites})
         self.facts = [facts[type(s.router)] for s in self.sites]
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
-        self._occurrence: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)
+        self._occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
+        self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`_layer`)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
         self.taken: list[Taken] = []  # recorded router calls of the running step (`take`)
+        self.held: list[tuple[Step, list[Taken]]] = []  # steps that returned, not yet handed over (`step_wrapper`)
         self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
         self.generating = 0  # generate calls on the stack (generation.py)
         self.synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
@@ -103,12 +106,14 @@ class RouterHub:
             except BaseException:
                 hub._patches.undo()
                 raise
+        hub.hand_over()  # what ran before belongs to the contexts open then
         (hub.replayers if replay else hub.recorders).append(handler)
         hub.lane_step = None
         return hub
 
     def detach(self, handler: Recorder | Replayer) -> None:
         """Remove `handler`; the last one out removes every hook and the hub itself."""
+        self.hand_over()
         for group in (self.recorders, self.replayers):
             for h in group:
                 if h is handler:
@@ -168,7 +173,8 @@ class RouterHub:
         redirected copy of that forward instead of the mode (redirect.py); so does a group-limited router whose top-k
         calls over each token's scores are all `torch.topk` calls there."""
         is_router = logits_index is not None
-        router = self.sites[i].router
+        router, name = self.sites[i].router, self.sites[i].name
+        graph_task = torch._C._current_graph_task_id  # -1 outside a backward (`in_backward`, inlined below)
         own_copy = self._redirects.forward(router, inner) if is_router else None  # its forward, top-k redirected
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -176,12 +182,22 @@ class RouterHub:
             if call is None and is_router:
                 step = self.tracker.current
                 if not self.replayers:
-                    # a recording read from the router's output (`_fast_index`, inlined): no call state, no interception
+                    # a recording read from the router's output: no call state, no interception. `_fast_index`,
+                    # `_layer`'s first run in a step and `stream.take` are inlined: this runs per router call and step
                     j = self.facts[i].output_index.get(router.training) if self.router_only[i] else None
-                    if j is not None and step is not None and not in_backward():
+                    if j is not None and step is not None and graph_task() == -1:
                         out = inner(*args, **kwargs)
                         found = out if type(out) is tuple else outputs(out)
-                        take(self.taken, self._layer(i, step), found[j], found[logits_index].shape[-1])
+                        indices = found[j]
+                        try:
+                            v = indices._version
+                        except RuntimeError:  # an inference tensor: copied now
+                            v, indices = None, indices.clone()
+                        if self._occurrence[i] is step:
+                            layer = self._layer(i, step)
+                        else:
+                            layer, self._occurrence[i] = name, step
+                        self.taken.append((layer, indices, v, found[logits_index].shape[-1]))
                         return out
                 elif (
                     own_copy is not None
@@ -266,16 +282,20 @@ class RouterHub:
 
     def _layer(self, i: int, step: Step) -> str:
         """Router `i`'s layer name in `step` (run again in the same forward, by looped layers, it is another layer)."""
-        last, n = self._occurrence[i]
-        n = n + 1 if last is step else 0
-        self._occurrence[i] = (step, n)
-        return f"{self.sites[i].name}#{n}" if n else self.sites[i].name
+        if self._occurrence[i] is not step:
+            self._occurrence[i] = step
+            return self.sites[i].name
+        last, n = self._repeats[i]
+        n = n + 1 if last is step else 1
+        self._repeats[i] = (step, n)
+        return f"{self.sites[i].name}#{n}"
 
-    def hand_over(self, step: Step) -> None:
-        """Give the recorders the router calls of `step`, whose forward has returned."""
-        taken, self.taken = self.taken, []
-        for rec in self.recorders:
-            rec.record_step(step, taken)
+    def hand_over(self) -> None:
+        """Give the recorders the router calls of the steps held since the last hand-over, in order."""
+        held, self.held = self.held, []
+        for step, taken in held:
+            for rec in self.recorders:
+                rec.record_step(step, taken)
 
     def _fast_index(self, i: int) -> int | None:
         """Where in router `i`'s output its top-k's indices are, if its call can be recorded from that alone (see

@@ -12,8 +12,10 @@ import torch
 
 from ..autograd import in_backward, inside_reentrant_checkpoint
 
+HAND_OVER = 32  # decode steps of a generate held before the recorders take them (`step_wrapper`)
 
-@dataclass
+
+@dataclass(slots=True)
 class Step:
     """One top-level forward: `batch` rows at positions [start, start + length) of stream `stream`.
 
@@ -52,6 +54,18 @@ class Step:
         return self._real
 
 
+def extends_generation(step: Step) -> bool:
+    """Whether `step` is a step of `generate` after its first whose mask (if any) is the whole generation's so far:
+    `generate` makes that mask afresh each step, so its padding can be read later, from a later step's mask.
+
+    Example:
+        >>> extends_generation(Step(0, 1, 32, 1, None, torch.device("cpu"), generating=True))
+        True
+    """
+    mask = step.attention
+    return step.generating and step.start > 0 and (mask is None or mask.shape[1] == step.start + step.length)
+
+
 class StepTracker:
     """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
     stream at the next position; any other forward starts a new stream at position 0."""
@@ -70,7 +84,7 @@ class StepTracker:
 
     def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
         """Open the step of an outermost forward (`forward` is the module's unwrapped forward)."""
-        bound = self._arguments(forward, args, kwargs)
+        bound = self._arguments(forward, args, kwargs) if args else kwargs
         tokens = bound.get("input_ids")
         if tokens is None:
             tokens = bound.get("inputs_embeds")
@@ -156,8 +170,11 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             tracker.depth -= 1
             tracker.current = hub.lane_step = None
-        if hub.taken:
-            hub.hand_over(step)
+        if hub.taken:  # the recorders take the step's router calls, a generate's decode steps `HAND_OVER` at a time
+            hub.held.append((step, hub.taken))
+            hub.taken = []
+            if len(hub.held) >= HAND_OVER or step.length != 1 or not extends_generation(step):
+                hub.hand_over()
         return out
 
     return forward

@@ -12,7 +12,7 @@ import torch
 from ...errors import UnsupportedModelError
 from ...routes import index_dtype
 from ..autograd import version
-from .steps import Step
+from .steps import Step, extends_generation
 
 HOLD = 32  # decode steps held before their indices are copied (int64 [B, K] per layer each, as the routers made them)
 
@@ -76,9 +76,14 @@ class Stream:
         names, first = self.held_names, self.steps[len(self.steps) - len(held)]
         B, t, n, L = self.batch, first.length, len(held), len(self.held_names)  # (n > 1 only for decode steps: t = 1)
         pieces = [p for indices, _ in held for p in indices]
-        shape = pieces[0].shape
-        if any(p.shape != shape for p in pieces) or shape[:-1] not in ((B * t,), (B, t)):  # e.g. [B*t, K] and
-            ks = sorted({p.shape[-1] if p.dim() else 0 for p in pieces})  # [B, t, K] in one step
+        returned, stacked = pieces, None
+        if pieces[0].shape[:-1] in ((B * t,), (B, t)):
+            try:  # [B*t or B, t, n*L, K]: a copy, as the model may change its tensors later
+                stacked = torch.stack(pieces, -2)
+            except RuntimeError:  # pieces of different shapes
+                pass
+        if stacked is None:  # e.g. [B*t, K] and [B, t, K] in one step
+            ks = sorted({p.shape[-1] if p.dim() else 0 for p in pieces})
             if len(ks) > 1:
                 self.problem = ValueError(f"layers recorded different top-k values {ks}; Routes needs one K")
                 return
@@ -89,18 +94,23 @@ class Stream:
                     f"for a forward of {B} x {t} tokens: expected {B * t} rows of K"
                 )
                 return
-            pieces = [p.reshape(B, t, ks[0]) for p in pieces]
-        stacked = torch.stack(pieces, -2)  # [B*t or B, t, n*L, K]: a copy, as the model may change its tensors later
+            stacked = torch.stack([p.reshape(B, t, ks[0]) for p in pieces], -2)
         dtype = index_dtype(max(experts[name] for name in names))
         stacked = stacked if stacked.dtype == dtype else stacked.to(dtype)
-        for indices, versions in held:
-            for name, piece, v in zip(names, indices, versions, strict=True):
-                if v is not None and version(piece) != v:
-                    self.problem = UnsupportedModelError(
-                        f"router {name!r}'s top-k indices were changed in place after it returned them, before "
-                        "moe-replay copied them: the routes would not be the experts the model used"
-                    )
-                    return
+        versions = [v for _, vs in held for v in vs]
+        try:  # (`autograd.version` of each, inlined)
+            now = [p._version for p in returned]
+        except RuntimeError:  # an inference tensor among them (its version is None)
+            now = [version(p) for p in returned]
+        changed = None
+        if now != versions:  # (a copy made at the router call has no version to compare: None)
+            changed = next((k for k, (a, b) in enumerate(zip(now, versions, strict=True)) if b not in (None, a)), None)
+        if changed is not None:
+            self.problem = UnsupportedModelError(
+                f"router {names[changed % L]!r}'s top-k indices were changed in place after it returned them, before "
+                "moe-replay copied them: the routes would not be the experts the model used"
+            )
+            return
         self.blocks.append(Block(first.start, names, stacked.view(B, n * t, L, stacked.shape[-1])))
 
     def add_mask(self, step: Step) -> None:
@@ -108,7 +118,7 @@ class Stream:
         `generate`, whose mask `generate` makes afresh each step and only extends: the latest one is kept, and read
         when the generation ends (no tensor op per step)."""
         mask, end = step.attention, step.start + step.length
-        if step.generating and step.start > 0 and (mask is None or mask.shape[1] == end):
+        if extends_generation(step):
             tail = self.tail
             if tail is not None and tail[1] == step.start and (tail[2] is None) == (mask is None):
                 start = tail[0]  # the pending run goes on

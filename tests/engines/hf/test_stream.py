@@ -154,3 +154,36 @@ def test_a_forward_that_raised_records_nothing_and_an_edit_after_the_router_retu
         hook.remove()
     with pytest.raises(UnsupportedModelError, match="'model.layers.2.mlp.gate''s top-k indices were changed in place"):
         rec.routes  # noqa: B018
+
+
+def test_a_generate_read_between_its_steps_holds_every_step_that_ran():
+    """The hub hands a generate's decode steps to its recorders `HAND_OVER` at a time; the routes read between two
+    steps (here by a streamer) hold every position forwarded so far, and what the generate records is unchanged by
+    the reads or by handing over each step at once."""
+    from moe_replay.engines.hf import steps as steps_module
+
+    model = tiny_qwen3_moe()
+    ids = torch.randint(5, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+
+    class Reader:
+        def __init__(self, rec) -> None:  # noqa: ANN001
+            self.rec, self.seen = rec, []
+
+        def put(self, tokens: torch.Tensor) -> None:
+            self.seen.append([r.indices.shape[1] for r in self.rec.batches])
+
+        def end(self) -> None:
+            pass
+
+    def run(hand_over: int, read: bool):  # noqa: ANN202
+        with pytest.MonkeyPatch.context() as mp, torch.no_grad(), record_routes(model) as rec:
+            mp.setattr(steps_module, "HAND_OVER", hand_over)
+            reader = Reader(rec) if read else None
+            model.generate(ids, max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=0, streamer=reader)
+        return rec.routes, reader
+
+    plain, _ = run(steps_module.HAND_OVER, read=False)
+    each, _ = run(1, read=False)
+    read, reader = run(steps_module.HAND_OVER, read=True)
+    assert reader.seen[0] == [] and reader.seen[1:] == [[6 + k] for k in range(9)]
+    assert plain.equal(each) and plain.equal(read) and plain.indices.shape[1] == 6 + 9
