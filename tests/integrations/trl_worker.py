@@ -37,6 +37,9 @@ def main(out: str) -> None:
         "moved": [r.get("routing/routes_moved_since_rollout") for r in trainer.state.log_history],
     }
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():  # left to the interpreter's exit, gloo's threads can abort it (CI saw
+        torch.distributed.barrier()  # "terminate called without an active exception" once)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
