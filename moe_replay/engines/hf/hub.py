@@ -113,18 +113,20 @@ class RouterHub:
 
     def detach(self, handler: Recorder | Replayer) -> None:
         """Remove `handler`; the last one out removes every hook and the hub itself."""
-        self.hand_over()
-        for group in (self.recorders, self.replayers):
-            for h in group:
-                if h is handler:
-                    group[:] = [h for h in group if h is not handler]
-                    break
-        self.lane_step = None
-        for queue in self.pending:
-            if queue.items or queue.done:
-                queue.drop(handler)
-        if not self.recorders and not self.replayers:
-            self._patches.undo()
+        try:
+            self.hand_over()  # (a recorder's error on the held steps still lets the handler go)
+        finally:
+            for group in (self.recorders, self.replayers):
+                for h in group:
+                    if h is handler:
+                        group[:] = [h for h in group if h is not handler]
+                        break
+            self.lane_step = None
+            for queue in self.pending:
+                if queue.items or queue.done:
+                    queue.drop(handler)
+            if not self.recorders and not self.replayers:
+                self._patches.undo()
 
     def pending_for(self, handler: Replayer) -> int:
         """Replayed router calls still waiting for their recompute in the backward."""

@@ -76,7 +76,7 @@ class Stream:
         names, first = self.held_names, self.steps[len(self.steps) - len(held)]
         B, t, n, L = self.batch, first.length, len(held), len(self.held_names)  # (n > 1 only for decode steps: t = 1)
         pieces = [p for indices, _ in held for p in indices]
-        returned, stacked = pieces, None
+        stacked = None
         if pieces[0].shape[:-1] in ((B * t,), (B, t)):
             try:  # [B*t or B, t, n*L, K]: a copy, as the model may change its tensors later
                 stacked = torch.stack(pieces, -2)
@@ -99,9 +99,9 @@ class Stream:
         stacked = stacked if stacked.dtype == dtype else stacked.to(dtype)
         versions = [v for _, vs in held for v in vs]
         try:  # (`autograd.version` of each, inlined)
-            now = [p._version for p in returned]
+            now = [p._version for p in pieces]
         except RuntimeError:  # an inference tensor among them (its version is None)
-            now = [version(p) for p in returned]
+            now = [version(p) for p in pieces]
         changed = None
         if now != versions:  # (a copy made at the router call has no version to compare: None)
             changed = next((k for k, (a, b) in enumerate(zip(now, versions, strict=True)) if b not in (None, a)), None)

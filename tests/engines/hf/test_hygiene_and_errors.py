@@ -216,3 +216,31 @@ def test_contexts_and_router_calls_leave_no_cyclic_garbage(qwen):
         gc.set_debug(0)
         gc.garbage.clear()
     assert ours == [] and tensors == 0
+
+
+def test_a_recorder_error_on_held_steps_at_exit_still_removes_every_hook(qwen, monkeypatch):
+    """Decode steps of a `generate` that raised are still held when the context closes: a recorder's error on them,
+    raised there, leaves no hook behind."""
+    from moe_replay.engines.hf.record import RouteRecorder
+
+    def refuse(self, step, taken):  # noqa: ANN001, ANN202
+        if step.start > 0:
+            raise ValueError("refused decode step")
+
+    class Stop:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def put(self, tokens: torch.Tensor) -> None:
+            self.n += 1
+            if self.n == 4:
+                raise RuntimeError("stop")
+
+        def end(self) -> None:
+            pass
+
+    monkeypatch.setattr(RouteRecorder, "record_step", refuse)
+    ids, mask = left_padded(2, 5, [0, 1])
+    with pytest.raises(ValueError, match="refused decode step"), torch.no_grad(), record_routes(qwen):
+        qwen.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD, streamer=Stop())
+    assert hook_count(qwen) == 0 and "_moe_replay_hub" not in qwen.__dict__
