@@ -184,22 +184,17 @@ class RouterHub:
             if call is None and is_router:
                 step = self.tracker.current
                 if not self.replayers:
-                    # a recording read from the router's output: no call state, no interception. `_fast_index`,
-                    # `_layer`'s first run in a step and `stream.take` are inlined: this runs per router call and step
+                    # a recording read from the router's output: no call state, no interception. `_fast_index` and
+                    # `_layer`'s first run in a step are inlined: this runs per router call and step
                     j = self.facts[i].output_index.get(router.training) if self.router_only[i] else None
                     if j is not None and step is not None and graph_task() == -1:
                         out = inner(*args, **kwargs)
                         found = out if type(out) is tuple else outputs(out)
-                        indices = found[j]
-                        try:
-                            v = indices._version
-                        except RuntimeError:  # an inference tensor: copied now
-                            v, indices = None, indices.clone()
                         if self._occurrence[i] is step:
                             layer = self._layer(i, step)
                         else:
                             layer, self._occurrence[i] = name, step
-                        self.taken.append((layer, indices, v, found[logits_index].shape[-1]))
+                        take(self.taken, layer, found[j], found[logits_index].shape[-1])
                         return out
                 elif (
                     own_copy is not None
