@@ -158,9 +158,10 @@ class RouteReplayer:
         L, K, N = len(r.layers), r.indices.shape[-1], mask.numel()
         if N * L * K > SMALL_FORWARD:  # converted per router call instead
             return Span(mask, all_recorded, None, None, 0)
-        part = r.indices if full else r.indices[:, start:end]  # [B, t, L, K]
+        part = (r.indices if full else r.indices[:, start:end]).permute(2, 0, 1, 3)  # [L, B, t, K]
         converted = part.to(torch.long, memory_format=torch.contiguous_format, copy=True)  # one for all layers
-        per_layer = zip(converted.view(N, L, K).unbind(1), r.layers, strict=True)  # [N, K] each, rows L*K apart
+        # [N, K] each, contiguous as a live top-k's indices are (a strided view costs the experts a copy per call)
+        per_layer = zip(converted.view(L, N, K).unbind(0), r.layers, strict=True)
         plans = tuple(  # (a list, not a generator: fewer calls)
             [
                 Plan(indices, mask, info.num_experts, info.top_k, all_recorded, self, layer, self.track_live)

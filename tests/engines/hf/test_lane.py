@@ -172,3 +172,30 @@ def test_an_in_place_edit_of_the_routes_mask_inside_a_context_is_followed(monkey
         forced.mask[1] = False  # the second sequence now routes live
         now = used()
     assert torch.equal(now[0], rec.routes.indices[0]) and torch.equal(now[1], routes.indices[1])
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["converted-per-span", "converted-per-call"])
+@pytest.mark.parametrize("track_live", [False, True], ids=["lane", "general-path"])
+def test_the_experts_get_contiguous_indices_under_replay_as_from_a_live_top_k(monkeypatch, small, track_live):
+    """The indices a replayed router returns reach the experts contiguous, as a live top-k's do: a strided view
+    (a layer's columns of the routes) would cost the experts a copy per router call (grouped_mm reshapes them)."""
+    from moe_replay.engines.hf import replay as replay_module
+
+    if not small:
+        monkeypatch.setattr(replay_module, "SMALL_FORWARD", 0)
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(2, 8, [0, 0])  # all recorded: the experts get the converted indices themselves
+    routes = learned(model, ids, mask)[1]
+    given = []
+    hooks = [
+        layer.mlp.experts.register_forward_pre_hook(lambda m, args: given.append(args[1]))
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "experts")
+    ]
+    with torch.no_grad(), replay_routes(model, routes, track_live=track_live):
+        model(ids, attention_mask=mask)
+    for hook in hooks:
+        hook.remove()
+    assert len(given) == len(routes.layers) == 2
+    assert all(idx.is_contiguous() for idx in given), [idx.stride() for idx in given]
+    assert torch.equal(torch.stack([idx.reshape(2, 8, -1) for idx in given], 2), routes.indices.long())
