@@ -2,7 +2,7 @@
 hidden behind compute (a decode step, a chunked log-prob forward). Prints a table with the host microseconds moe-replay
 adds per router call, writes it as CSV, ends with `targets met: N/M`.
 
-    python benchmarks/host_cost.py           # benchmarks/results_host_cost.csv (about 15 minutes on 2 CPU cores)
+    python benchmarks/host_cost.py           # benchmarks/results_host_cost.csv (3-15 minutes on 2 CPU cores)
     python benchmarks/host_cost.py --quick   # fewer repeats (a few minutes); writes results_host_cost_quick.csv
 
 Each ratio is measured side by side in one process against the same work without moe-replay: all the forward
