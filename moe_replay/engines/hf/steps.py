@@ -123,7 +123,8 @@ class StepTracker:
     def _arguments(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name, those of a `**kwargs` parameter among them. Positional arguments map
         onto the leading positional parameters (names cached per forward); a signature with *args, or more positional
-        arguments than parameters, is bound by `inspect`."""
+        arguments than parameters, is bound by `inspect`. (`begin` calls it only with positional arguments: without
+        any, the keyword arguments are the call's arguments as they are.)"""
         found = self._signatures.get(forward)
         if found is None:
             sig = inspect.signature(forward)
@@ -133,8 +134,6 @@ class StepTracker:
             names = tuple(p.name for p in params if p.kind in kinds) if plain else None
             found = self._signatures[forward] = (sig, names)
         sig, names = found
-        if not args:
-            return kwargs
         if names is None or len(args) > len(names):
             bound = dict(sig.bind_partial(*args, **kwargs).arguments)
             for p in sig.parameters.values():  # a wrapper's **kwargs, flattened
