@@ -18,7 +18,7 @@ from .steps import Step
 
 @dataclass(slots=True)
 class Plan:
-    """The routes one router call must use: `indices` [N, K] int64, `mask` [N] bool (False routes live).
+    """The routes one router call must use: `indices` [N, K] int64, `mask` [B, t] bool (False routes live).
 
     `source` is the replayer that made it, for layer `layer` of its routes. With `observe`, `on_live` is called once
     per forward call (not its recompute) with the experts the router would have picked live and those it was given,

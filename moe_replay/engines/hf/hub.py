@@ -202,10 +202,13 @@ class RouterHub:
                     and step is not None
                     and self.router_only[i]
                     and self.facts[i].redirect.get(router.training, 0) == 1
-                    and not in_backward()
+                    and graph_task() == -1
                     and (step is self.lane_step or lane_ready(self, step))
-                ):  # a replay alone, of a redirected router: lane.py
-                    layer = self._layer(i, step)
+                ):  # a replay alone, of a redirected router: lane.py (`_layer`'s first run in a step, inlined)
+                    if self._occurrence[i] is step:
+                        layer = self._layer(i, step)
+                    else:
+                        layer, self._occurrence[i] = name, step
                     plan = self.replayers[-1].plan(layer, step)
                     if plan is None:  # a dummy forward past the routes: routed live
                         return inner(*args, **kwargs)

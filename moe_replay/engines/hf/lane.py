@@ -27,20 +27,29 @@ class Lane:
     """The top-k handler of one replayed router call in the lane: forces the selecting top-k to the plan's experts,
     runs any other top-k as it is."""
 
-    __slots__ = ("plan", "tokens", "applied", "seen")
+    __slots__ = ("plan", "shape", "applied", "seen")
 
     def __init__(self, plan: Plan, tokens: int) -> None:
-        self.plan, self.tokens, self.applied = plan, tokens, 0
-        self.seen: list[tuple[int, int]] = []  # (last dim, k) of the top-k calls over the last dim not replaced
+        self.plan, self.applied = plan, 0
+        self.shape = (tokens, plan.num_experts)  # the input [N, E] of a selecting top-k, as most routers call it
+        self.seen: list[tuple[int, int]] | None = None  # (last dim, k) of top-k calls over the last dim, not replaced
 
     def topk(self, args: tuple, kwargs: dict) -> Any:
         """`torch.topk(*args, **kwargs)`, the plan's experts if it is the selection the plan replaces."""
+        x, plan = args[0], self.plan
+        if x.shape == self.shape and plan.all_recorded:  # the common case, checked with the fewest calls
+            k = args[1] if len(args) > 1 else kwargs["k"]
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            idx = plan.indices
+            if type(k) is int and k == plan.top_k and dim in (-1, 1) and idx.device == x.device:
+                self.applied += 1
+                return torch.return_types.topk((x.gather(-1, idx), idx))  # = forced_topk's for it
         x, k, last = topk_args(args, kwargs)
-        if last and replaces(self.plan, self.tokens, x, k):
+        if last and replaces(plan, self.shape[0], x, k):
             self.applied += 1
-            return forced_topk(torch.topk, args, kwargs, x, self.plan)
+            return forced_topk(torch.topk, args, kwargs, x, plan)
         if last:
-            self.seen.append((x.shape[-1], k))
+            self.seen = [*(self.seen or ()), (x.shape[-1], k)]
         return torch.topk(*args, **kwargs)
 
 
@@ -82,5 +91,5 @@ def run_lane(
     out = redirects.run(lane.topk, forward, router, args, kwargs)
     check_experts(layer, num_scores(out, logits_index), plan)
     if not lane.applied:
-        raise not_applied(layer, router, plan, tokens, topk_calls(lane.seen))
+        raise not_applied(layer, router, plan, tokens, topk_calls(lane.seen or []))
     return out

@@ -16,6 +16,7 @@ from .hub import RouterHub
 from .steps import Step
 
 SMALL_FORWARD = 1 << 20  # up to this many (token, layer, expert) entries, a forward's indices are converted at once
+SMALL_MASK = 1 << 12  # up to this many positions, a host mask is read as a list (`all_true`)
 
 
 def columns_for(hub: RouterHub, layers: tuple[LayerInfo, ...], owner: str) -> dict[str, int]:
@@ -33,6 +34,19 @@ def columns_for(hub: RouterHub, layers: tuple[LayerInfo, ...], owner: str) -> di
     return found
 
 
+def all_true(mask: torch.Tensor) -> bool:
+    """Whether every entry of the bool host mask [B, t] is True: read as Python lists when small (a torch reduction
+    costs several microseconds more on a CPU that has just run a forward), else by `all()`.
+
+    Example:
+        >>> all_true(torch.tensor([[True, False]]))
+        False
+    """
+    if mask.numel() <= SMALL_MASK:
+        return all(False not in row for row in mask.tolist())
+    return bool(mask.all())
+
+
 def on_host(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is in host memory (read there without a copy).
 
@@ -44,9 +58,9 @@ def on_host(tensor: torch.Tensor) -> bool:
 
 
 class Span(NamedTuple):
-    """What the forwards of one span of positions replay: its mask [N], whether all of it is recorded, and for a small
-    forward each layer's `Plan`, whose indices int64 [N, K] are views of one converted tensor `base` taken at version
-    `version`."""
+    """What the forwards of one span of positions replay: its mask [B, t], whether all of it is recorded, and for a
+    small forward each layer's `Plan`, whose indices int64 [N, K] are views of one converted tensor `base` taken at
+    version `version`."""
 
     mask: torch.Tensor
     all_recorded: bool
@@ -152,16 +166,18 @@ class RouteReplayer:
         """The replay data of positions [start, end) (see `Span`)."""
         r = self.routes
         full = start == 0 and end == r.seq_len  # a forward of the whole routes: no slices
-        mask = (r.mask if full else r.mask[:, start:end]).reshape(-1)
+        mask = r.mask if full else r.mask[:, start:end]
         host = self._host_mask()
-        all_recorded = bool((host if full else host[:, start:end]).all())
+        all_recorded = all_true(host if full else host[:, start:end])
         L, K, N = len(r.layers), r.indices.shape[-1], mask.numel()
         if N * L * K > SMALL_FORWARD:  # converted per router call instead
             return Span(mask, all_recorded, None, None, 0)
-        part = (r.indices if full else r.indices[:, start:end]).permute(2, 0, 1, 3)  # [L, B, t, K]
-        converted = part.to(torch.long, memory_format=torch.contiguous_format, copy=True)  # one for all layers
-        # [N, K] each, contiguous as a live top-k's indices are (a strided view costs the experts a copy per call)
-        per_layer = zip(converted.view(L, N, K).unbind(0), r.layers, strict=True)
+        part = r.indices if full else r.indices[:, start:end]  # [B, t, L, K]
+        # int64 [L, N, K], one conversion for all layers; each layer's [N, K] contiguous, as a live top-k's indices
+        # are (a strided view costs the experts a copy per call). ([N, L, K] transposed: cheaper than a 4-D permute.)
+        by_layer = part.reshape(N, L, K).transpose(0, 1)
+        converted = by_layer.to(torch.long, memory_format=torch.contiguous_format, copy=True)
+        per_layer = zip(converted.unbind(0), r.layers, strict=True)
         plans = tuple(  # (a list, not a generator: fewer calls)
             [
                 Plan(indices, mask, info.num_experts, info.top_k, all_recorded, self, layer, self.track_live)
@@ -196,7 +212,7 @@ class RouteReplayer:
     def tally(self, layer: int, mask: torch.Tensor, live: torch.Tensor, used: torch.Tensor) -> None:
         """Count the replayed expert slots [N, K] the router would have picked otherwise (no host sync)."""
         kept = (live[:, :, None] == used[:, None, :]).any(-1).sum(-1)  # [N] live picks among the used ones
-        mask = mask.to(kept.device)
+        mask = mask.to(kept.device).reshape(-1)
         self._moved[layer] += ((live.shape[-1] - kept) * mask).sum().to(self._moved.device)
         self._compared[layer] += mask.sum().to(self._compared.device)
 
@@ -218,6 +234,9 @@ class RouteReplayer:
 
     def _check_consumed(self) -> None:
         T, L = self.routes.seq_len, len(self.routes.layers)
+        covered = self._covered
+        if all((0, T, layer) in covered for layer in range(L)):
+            return  # the commonest case: each layer replayed over the whole routes, once (or the same span again)
         reach = [0] * L  # the common case, checked without tensors: spans from 0 that cover [0, T) for every layer
         for start, end, layer in sorted(self._covered):
             if start <= reach[layer]:

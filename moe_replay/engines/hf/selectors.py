@@ -154,7 +154,7 @@ class GroupTopK(Selector):
             indices = indices.to(x.device)
         steered = flat.scatter(-1, indices // (plan.num_experts // G), float("inf"))  # the recorded experts' groups
         if not plan.all_recorded:
-            steered = torch.where(plan.mask.to(x.device)[:, None], steered, flat)
+            steered = torch.where(plan.mask.to(x.device).reshape(-1, 1), steered, flat)
         idx = torch.topk(steered, k, dim=-1).indices
         idx = idx.reshape(*x.shape[:-1], k)
         self.steered += 1

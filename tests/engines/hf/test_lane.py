@@ -9,6 +9,7 @@ from helpers import left_padded, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, UnsupportedModelError, record_routes, replay_routes
 from moe_replay.engines.hf import hub as hub_module
+from moe_replay.engines.hf import lane as lane_module
 from moe_replay.engines.hf.facts import router_facts
 
 
@@ -61,6 +62,42 @@ def test_a_replay_alone_runs_in_the_lane_and_replays_exactly(calls):
     assert all(
         torch.equal(g.weight.grad, a) and a.abs().sum() > 0 for g, a in zip(gates(model), lane_grads, strict=True)
     )
+
+
+def test_an_all_recorded_selection_takes_the_lanes_short_path_with_the_same_outputs_and_gradients(calls, monkeypatch):
+    """Routes recorded at every position: the lane forces the top-k without `forced_topk` (its short path), with the
+    logits and router gradients of the general path; padded routes still go through `forced_topk`."""
+    general = []
+    real = lane_module.forced_topk
+    monkeypatch.setattr(lane_module, "forced_topk", lambda *a, **k: general.append(1) or real(*a, **k))
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(2, 7, [0, 0], seed=3)
+    live, routes = learned(model, ids, mask)
+    assert bool(routes.mask.all())
+    calls.clear()
+    with replay_routes(model, routes):
+        lane_out = model(ids, attention_mask=mask).logits
+        lane_out.square().mean().backward()
+    assert calls == [] and general == []  # the lane, its short path
+    assert torch.equal(lane_out.detach(), live)
+    lane_grads = [g.weight.grad.clone() for g in gates(model)]
+    model.zero_grad()
+    (facts,) = router_facts(model).values()
+    facts.redirect[False] = 0  # the mode path, for comparison
+    with replay_routes(model, routes):
+        mode_out = model(ids, attention_mask=mask).logits
+        mode_out.square().mean().backward()
+    assert len(calls) == 2 and torch.equal(lane_out, mode_out)
+    assert all(
+        torch.equal(g.weight.grad, a) and a.abs().sum() > 0 for g, a in zip(gates(model), lane_grads, strict=True)
+    )
+    facts.redirect[False] = 1
+    padded, pad_mask = left_padded(2, 7, [0, 2], seed=3)
+    with torch.no_grad(), record_routes(model) as rec:
+        model(padded, attention_mask=pad_mask)
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        model(padded, attention_mask=pad_mask)
+    assert len(general) == 2  # padding: each MoE layer's call through forced_topk
 
 
 def gates(model):  # noqa: ANN001, ANN202
