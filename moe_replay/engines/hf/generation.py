@@ -76,6 +76,7 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
             return inner(*args, **kwargs)
         check_generation(hub.model, args, kwargs)
         first = hub.tracker.stream + 1
+        hub.tracker.cache = None  # (a cache the last generate left may have been emptied since)
         hub.generating += 1
         hub.synced = bool(setting(hub.model, kwargs, "synced_gpus", False))
         try:

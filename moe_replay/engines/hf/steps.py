@@ -76,14 +76,18 @@ class StepTracker:
         self.batch = 0
         self.current: Step | None = None
         self.depth = 0
+        # the KV cache of the running generate's last step, which holds that step's tokens (`begin`); None between
+        # generate calls (a cache that one left may be reset or cropped before the next)
+        self.cache: Any = None
         # per forward function: its signature and positional parameter names (a dict the caller may keep across
         # trackers, e.g. on the model: inspecting a signature costs more than a whole router call)
         self._signatures: dict[Any, tuple[inspect.Signature, tuple[str, ...] | None]] = (
             {} if signatures is None else signatures
         )
 
-    def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Step:
-        """Open the step of an outermost forward (`forward` is the module's unwrapped forward)."""
+    def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generating: bool = False) -> Step:
+        """Open the step of an outermost forward (`forward` is the module's unwrapped forward; `generating`: inside
+        `generate`)."""
         bound = self._arguments(forward, args, kwargs) if args else kwargs
         tokens = bound.get("input_ids")
         if tokens is None:
@@ -95,11 +99,18 @@ class StepTracker:
                 "moe-replay needs batched input_ids [B, T] or inputs_embeds [B, T, H] to place routes, got "
                 f"{None if tokens is None else tuple(tokens.shape)}"
             )
-        B, t = tokens.shape[0], tokens.shape[1]
+        shape = tokens.shape
+        B, t = shape[0], shape[1]
         cache = bound.get("cache")
         if cache is None:
             cache = bound.get("past_key_values")
-        continuing = cache is not None and hasattr(cache, "get_seq_length") and int(cache.get_seq_length()) > 0
+        if cache is None:
+            continuing = False
+        elif generating and cache is self.cache:  # a later step of this generate: its cache holds the steps before
+            continuing = True
+        else:
+            length = getattr(cache, "get_seq_length", None)
+            continuing = length is not None and int(length()) > 0
         if continuing:
             if self.stream < 0:
                 raise ValueError(
@@ -113,11 +124,16 @@ class StepTracker:
             self.stream += 1
             start = 0
         self.cursor, self.batch = start + t, B
+        self.cache = cache if generating and t > 0 else None
         mask = bound.get("attention_mask")
-        if not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == B and mask.shape[1] >= t):
-            mask = None  # sliced to the step's columns only if a recorder asks (`Step.real`)
+        if isinstance(mask, torch.Tensor):
+            size = mask.shape
+            if len(size) != 2 or size[0] != B or size[1] < t:
+                mask = None  # sliced to the step's columns only if a recorder asks (`Step.real`)
+        else:
+            mask = None
         grad = True if torch.is_grad_enabled() else None
-        self.current = Step(self.stream, B, start, t, mask, tokens.device, grad=grad)
+        self.current = Step(self.stream, B, start, t, mask, tokens.device, grad=grad, generating=generating)
         return self.current
 
     def _arguments(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -154,8 +170,8 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         tracker = hub.tracker
         if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
             return inner(*args, **kwargs)
-        step = tracker.begin(inner, args, kwargs)
-        step.synced, step.generating = hub.synced, hub.generating > 0
+        step = tracker.begin(inner, args, kwargs, hub.generating > 0)
+        step.synced = hub.synced
         if step.grad is None and hub.replayers:  # began without grad: a checkpoint around the model recomputes it
             step.grad = inside_reentrant_checkpoint()  # (the stack above the model, walked once per forward)
         tracker.depth += 1

@@ -138,6 +138,23 @@ def test_contexts_are_reusable(qwen):
         pass
 
 
+def test_a_cache_emptied_between_two_generates_starts_a_new_batch(qwen):
+    """A generate's later steps continue its stream without asking their (same) cache its length; a cache passed
+    again to the next generate is asked afresh: emptied there, that generate is a batch of its own."""
+    from transformers import DynamicCache
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    cache, outs = DynamicCache(), []
+    sampling = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": True, "pad_token_id": PAD}
+    with torch.no_grad(), record_routes(qwen) as rec:
+        for _ in range(2):
+            torch.manual_seed(0)
+            outs.append(qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, **sampling))
+            cache.crop(-cache.get_seq_length())  # emptied
+    first, second = rec.batches
+    assert torch.equal(outs[0], outs[1]) and first.seq_len == outs[0].shape[1] and first.equal(second)
+
+
 def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
     with record_routes(qwen):
         with pytest.raises(ReplayError, match="already hooked by a context opened on Qwen3MoeForCausalLM"):
