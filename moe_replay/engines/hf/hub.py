@@ -49,6 +49,7 @@ class RouterHub:
         self.sites: list[RouterSite] = list(layout.sites)
         self.selectors = [selectors_for(s.router) for s in self.sites]
         self._tracked: list[nn.Module] = list(layout.tracked)
+        self._signatures = signature_cache(model)  # kept on the model across hubs (steps.py)
         self._redirects = Redirects()  # routers whose own torch.topk alone is intercepted
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)
@@ -59,7 +60,7 @@ class RouterHub:
 
     def _reset(self) -> None:
         """The state of one stretch of open contexts: a kept hub starts each one afresh."""
-        self.tracker = StepTracker(signature_cache(self.model))
+        self.tracker = StepTracker(self._signatures)
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         for queue in self.pending:  # (a kept hub's queues are empty once its contexts closed)
@@ -106,7 +107,8 @@ class RouterHub:
             except BaseException:
                 hub._patches.undo()
                 raise
-        hub.hand_over()  # what ran before belongs to the contexts open then
+        if hub.held:
+            hub.hand_over()  # what ran before belongs to the contexts open then
         (hub.replayers if replay else hub.recorders).append(handler)
         hub.lane_step = None
         return hub
@@ -114,7 +116,8 @@ class RouterHub:
     def detach(self, handler: Recorder | Replayer) -> None:
         """Remove `handler`; the last one out removes every hook and the hub itself."""
         try:
-            self.hand_over()  # (a recorder's error on the held steps still lets the handler go)
+            if self.held:
+                self.hand_over()  # (a recorder's error on the held steps still lets the handler go)
         finally:
             for group in (self.recorders, self.replayers):
                 for h in group:
