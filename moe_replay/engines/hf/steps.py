@@ -133,7 +133,7 @@ class StepTracker:
         else:
             mask = None
         grad = True if torch.is_grad_enabled() else None
-        self.current = Step(self.stream, B, start, t, mask, tokens.device, grad=grad, generating=generating)
+        self.current = Step(self.stream, B, start, t, mask, tokens.device, grad, False, generating)  # (positional)
         return self.current
 
     def _arguments(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
