@@ -236,3 +236,14 @@ def test_the_experts_get_contiguous_indices_under_replay_as_from_a_live_top_k(mo
     assert len(given) == len(routes.layers) == 2
     assert all(idx.is_contiguous() for idx in given), [idx.stride() for idx in given]
     assert torch.equal(torch.stack([idx.reshape(2, 8, -1) for idx in given], 2), routes.indices.long())
+
+
+@pytest.mark.parametrize("shape", [(2, 9), (3, 2000)])  # read as lists, and by a torch reduction (over SMALL_MASK)
+def test_whether_a_span_is_all_recorded_is_read_alike_for_small_and_large_masks(shape):
+    from moe_replay.engines.hf.replay import SMALL_MASK, all_true
+
+    mask = torch.ones(shape, dtype=torch.bool)
+    assert (mask.numel() > SMALL_MASK) == (shape[1] == 2000)
+    assert all_true(mask) and all_true(mask[:, 3:7])  # a whole mask and a strided slice of it
+    mask[-1, 5] = False
+    assert not all_true(mask) and not all_true(mask[:, 3:7]) and all_true(mask[:, :5]) and all_true(mask[:-1])
