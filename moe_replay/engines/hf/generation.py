@@ -76,7 +76,6 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
             return inner(*args, **kwargs)
         check_generation(hub.model, args, kwargs)
         first = hub.tracker.stream + 1
-        hub.tracker.cache = None  # (a cache the last generate left may have been emptied since)
         hub.generating += 1
         hub.synced = bool(setting(hub.model, kwargs, "synced_gpus", False))
         try:
@@ -84,6 +83,8 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             hub.generating -= 1
             hub.synced = False
+            # let go of the generate's KV cache: the next generate may get it emptied, and a kept hub must not hold it
+            hub.tracker.cache = None
         sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
         hub.hand_over()
         if isinstance(sequences, torch.Tensor):

@@ -77,7 +77,7 @@ class StepTracker:
         self.current: Step | None = None
         self.depth = 0
         # the KV cache of the running generate's last step, which holds that step's tokens (`begin`); None between
-        # generate calls (a cache that one left may be reset or cropped before the next)
+        # generate calls (a cache that one left may be emptied before the next, and is not kept alive by the hub)
         self.cache: Any = None
         # per forward function: its signature and positional parameter names (a dict the caller may keep across
         # trackers, e.g. on the model: inspecting a signature costs more than a whole router call)

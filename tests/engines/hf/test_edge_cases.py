@@ -3,6 +3,9 @@ stale steps, reuse, overlapping contexts, scalar indices."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import PAD, hook_count, left_padded, perturb, recorded, sampled, tiny_qwen3_moe
@@ -140,7 +143,8 @@ def test_contexts_are_reusable(qwen):
 
 def test_a_cache_emptied_between_two_generates_starts_a_new_batch(qwen):
     """A generate's later steps continue its stream without asking their (same) cache its length; a cache passed
-    again to the next generate is asked afresh: emptied there, that generate is a batch of its own."""
+    again to the next generate is asked afresh: emptied there, that generate is a batch of its own. The hub lets go
+    of the cache when the generate returns."""
     from transformers import DynamicCache
 
     ids, mask = left_padded(2, 5, [0, 1])
@@ -153,6 +157,10 @@ def test_a_cache_emptied_between_two_generates_starts_a_new_batch(qwen):
             cache.crop(-cache.get_seq_length())  # emptied
     first, second = rec.batches
     assert torch.equal(outs[0], outs[1]) and first.seq_len == outs[0].shape[1] and first.equal(second)
+    held = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert held() is None  # the model's kept hub holds no generate's cache once it returned
 
 
 def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
