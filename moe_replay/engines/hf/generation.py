@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ...errors import UnsupportedGenerationError
+from .steps import GENERATE_START
 
 
 def setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -76,6 +77,7 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
             return inner(*args, **kwargs)
         check_generation(hub.model, args, kwargs)
         first = hub.tracker.stream + 1
+        hub.tracker.cache = GENERATE_START
         hub.generating += 1
         hub.synced = bool(setting(hub.model, kwargs, "synced_gpus", False))
         try:

@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
+from ...errors import UnsupportedGenerationError
 from ..autograd import in_backward, inside_reentrant_checkpoint
 
 HAND_OVER = 32  # decode steps of a generate held before the recorders take them (`step_wrapper`)
+GENERATE_START = object()  # `StepTracker.cache` as a generate begins, before its first step
 
 
 @dataclass(slots=True)
@@ -76,8 +78,9 @@ class StepTracker:
         self.batch = 0
         self.current: Step | None = None
         self.depth = 0
-        # the KV cache of the running generate's last step, which holds that step's tokens (`begin`); None between
-        # generate calls (a cache that one left may be emptied before the next, and is not kept alive by the hub)
+        # the KV cache of the running generate's last step, which holds that step's tokens (`begin`); GENERATE_START
+        # before its first step; None between generate calls (a cache that one left may be emptied before the next,
+        # and is not kept alive by the hub)
         self.cache: Any = None
         # per forward function: its signature and positional parameter names (a dict the caller may keep across
         # trackers, e.g. on the model: inspecting a signature costs more than a whole router call)
@@ -110,7 +113,14 @@ class StepTracker:
             continuing = True
         else:
             length = getattr(cache, "get_seq_length", None)
-            continuing = length is not None and int(length()) > 0
+            held = int(length()) if length is not None else 0
+            continuing = held > 0
+            if continuing and generating and self.cache is GENERATE_START:  # the first step of a generate
+                raise UnsupportedGenerationError(
+                    f"generate was given a KV cache that already holds {held} tokens (reused from an earlier generate "
+                    "or forward): its routes could not be lined up with out.sequences; pass each generate a fresh "
+                    "cache (or none)"
+                )
         if continuing:
             if self.stream < 0:
                 raise ValueError(

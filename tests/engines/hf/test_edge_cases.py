@@ -163,6 +163,28 @@ def test_a_cache_emptied_between_two_generates_starts_a_new_batch(qwen):
     assert held() is None  # the model's kept hub holds no generate's cache once it returned
 
 
+def test_a_generate_given_a_cache_that_holds_tokens_is_refused_at_its_first_step(qwen):
+    """A second turn that reuses the first turn's KV cache would continue its routes where out.sequences cannot place
+    them: refused as it starts, and what was recorded before is kept."""
+    from transformers import DynamicCache
+
+    ids, _ = left_padded(1, 5, [0])
+    sampling = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": True, "pad_token_id": PAD}
+    torch.manual_seed(0)
+    with torch.no_grad(), record_routes(qwen) as alone:
+        qwen.generate(input_ids=ids, **sampling)
+    cache = DynamicCache()
+    with torch.no_grad(), record_routes(qwen) as rec:
+        torch.manual_seed(0)
+        out = qwen.generate(input_ids=ids, cache=cache, **sampling)
+        turn = torch.cat([out, ids[:, :2]], 1)
+        with pytest.raises(UnsupportedGenerationError, match="already holds 7 tokens .* fresh cache"):
+            qwen.generate(input_ids=turn, cache=cache, **sampling)
+        assert qwen.generate(input_ids=turn, **sampling).shape[1] == turn.shape[1] + 3  # a fresh cache: recorded
+    first, second = rec.batches
+    assert first.equal(alone.routes) and second.seq_len == turn.shape[1] + 3
+
+
 def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
     with record_routes(qwen):
         with pytest.raises(ReplayError, match="already hooked by a context opened on Qwen3MoeForCausalLM"):
