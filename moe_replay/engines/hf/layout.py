@@ -2,10 +2,11 @@
 
 An RL loop opens a context per minibatch or per log-prob chunk; walking every module each time costs more than the
 router calls of a small forward. The routers, their scopes and the tracked models are kept on the model with a
-stamp: every module on the path from the model to a router (or to a tracked model), with its named children. A context
-reuses them only if every path still leads to the same modules and every module on it still has the same children,
-so a router added, removed or replaced anywhere along those paths (a new layer, a dense layer swapped for an MoE
-one, a PEFT or checkpoint wrapper) is found by a fresh walk.
+stamp: every module that had children at the walk (the model first), with a copy of its children by name. A context
+reuses them only if each of those modules still has the same children, so a module added, removed or replaced
+anywhere in the tree (a new layer, a dense MLP or a whole dense layer swapped for an MoE one, a PEFT or checkpoint
+wrapper) is found by a fresh walk. Not stamped: a child given to a module that had none (a Linear, a norm), whose
+forward calls no child.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from .discover import RouterSite, find_routers
 
 ATTR = "_moe_replay_layout"
-# (the modules on the paths, a copy of each one's children by name)
+# (the modules that have children, the model first; a copy of each one's children by name)
 Stamp = tuple[tuple[nn.Module, ...], tuple[dict[str, nn.Module | None], ...]]
 _CHILDREN = attrgetter("_modules")
 
@@ -26,7 +27,7 @@ _CHILDREN = attrgetter("_modules")
 @dataclass(frozen=True)
 class Layout:
     """The routers of a model, the models inside it whose outermost forward is a step (the model first), and the
-    stamp they hold for: each module on the paths to them, with its children."""
+    stamp they hold for: each module of the model that has children, with its children."""
 
     sites: tuple[RouterSite, ...]
     tracked: tuple[nn.Module, ...]
@@ -48,16 +49,15 @@ def model_layout(model: nn.Module) -> Layout:
     modules = dict(model.named_modules())
     sites = tuple(find_routers(model, modules))
     tracked = _tracked(model, sites, modules)
-    paths = tuple(s.name for s in sites) + tuple(name for name, _ in tracked)
-    targets = [s.router for s in sites] + [m for _, m in tracked]
-    layout = Layout(sites, (model, *(m for _, m in tracked)), _stamp(model, paths, targets))
+    parents = tuple(m for m in modules.values() if m._modules)  # (the model first: it holds the routers)
+    layout = Layout(sites, (model, *(m for _, m in tracked)), (parents, tuple(dict(m._modules) for m in parents)))
     model.__dict__[ATTR] = layout
     return layout
 
 
 def _holds(model: nn.Module, layout: Layout) -> bool:
-    """Whether every module of the stamp still has the same children under the same names (the model first): then
-    every path leads, step by step, through the same modules to the same targets."""
+    """Whether every module of the stamp still has the same children under the same names (the model first): then a
+    walk would find the same modules under the same names."""
     modules, children = layout.stamp
     if not modules or modules[0] is not model:
         return False
@@ -79,19 +79,3 @@ def _tracked(
         if prefix and isinstance(module, PreTrainedModel) and all(n.startswith(prefix + ".") for n in names)
     ]
 
-
-def _stamp(model: nn.Module, paths: tuple[str, ...], targets: list[nn.Module]) -> Stamp:
-    """Each module on the paths (the model first, each once) and a copy of its children by name; ((), ()) if a path
-    is broken or does not end at its target."""
-    seen: dict[int, nn.Module] = {id(model): model}
-    for path, target in zip(paths, targets, strict=True):
-        module = model
-        for part in path.split("."):
-            module = module._modules.get(part)
-            if module is None:
-                return (), ()
-            seen.setdefault(id(module), module)
-        if module is not target:
-            return (), ()
-    modules = tuple(seen.values())
-    return modules, tuple(dict(m._modules) for m in modules)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from families import build_tiny_model
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from moe_replay import record_routes, replay_routes
 from moe_replay.engines.hf.layout import model_layout
+from moe_replay.errors import ReplayError
 from moe_replay.layers import plain_name
 
 
@@ -55,6 +57,28 @@ def test_layout_is_kept_and_found_again_when_the_tree_changes():
     assert all(
         a.router is not b.router for a, b in zip(model_layout(clone).sites, model_layout(model).sites, strict=True)
     )
+
+
+def test_a_dense_mlp_swapped_for_an_moe_block_inside_a_kept_layer_is_found():
+    """Sparse upcycling in place: the dense first layer keeps its place and gets an MoE block as its `mlp`. That layer
+    is on no path to a router, yet a fresh walk must find the new router (found by review: the layout kept only the
+    paths to the routers, so the new layer was silently left out of the recording)."""
+    model = build_tiny_model("qwen3_moe")
+    ids = torch.randint(5, 100, (1, 6))
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids)
+    before = rec.routes
+    assert not any(name.startswith("model.layers.0.") for name in before.layer_names)  # the first layer is dense
+    kept = model_layout(model)
+    model.model.layers[0].mlp = copy.deepcopy(model.model.layers[1].mlp)
+    assert model_layout(model) is not kept
+    with torch.no_grad(), record_routes(model) as rec:
+        expected = model(ids).logits
+    assert rec.routes.layer_names == ["model.layers.0.mlp.gate", *before.layer_names]
+    with pytest.raises(ReplayError, match=r"model\.layers\.0\.mlp\.gate"), replay_routes(model, before):
+        model(ids)  # the routes from before the swap hold no layer for the new router: refused as the context opens
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        assert torch.equal(model(ids).logits, expected)
 
 
 def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_saved(tmp_path):
