@@ -12,6 +12,7 @@ from torch import nn
 
 from ..routes import Routes
 from . import hf, megatron
+from .hf.layout import walked
 
 
 def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | megatron.MegatronRouteRecorder:
@@ -25,7 +26,7 @@ def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | 
         ...     out = model.generate(**batch, do_sample=True, return_dict_in_generate=True)
         >>> routes = rec.routes
     """
-    if megatron.is_megatron_model(model):
+    if not walked(model) and megatron.is_megatron_model(model):
         return megatron.record_routes(model)
     return hf.record_routes(_one_module(model))
 
@@ -44,7 +45,7 @@ def replay_routes(
         ...     loss = loss_fn(model(sequences).logits)
         ...     loss.backward()
     """
-    if megatron.is_megatron_model(model):
+    if not walked(model) and megatron.is_megatron_model(model):  # (a model walked before: no megatron test)
         if track_live:
             raise ValueError("track_live is supported on Hugging Face models, not on megatron-core models")
         return megatron.replay_routes(model, routes)

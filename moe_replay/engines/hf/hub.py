@@ -58,8 +58,9 @@ class RouterHub:
         self.pending = [RecomputeQueue(s.name) for s in self.sites]
         self._reset()
 
-    def _reset(self) -> None:
-        """The state of one stretch of open contexts: a kept hub starts each one afresh."""
+    def _reset(self, kept: bool = False) -> None:
+        """The state of one stretch of open contexts: a kept hub starts each one afresh. A `kept` hub keeps its facts
+        for `_install`, which looks them up again unless every patch is set again as it was."""
         self.tracker = StepTracker(self._signatures)
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
@@ -67,10 +68,8 @@ class RouterHub:
             if queue.items or queue.done:
                 self.pending = [RecomputeQueue(s.name) for s in self.sites]
                 break
-        # looked up per context: a router class may have been patched since
-        facts = facts_for(self.model, {type(s.router) for s in self.sites})
-        self.facts = [facts[type(s.router)] for s in self.sites]
-        self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
+        if not kept:
+            self._look_up_facts()
         self._occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
         self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`_layer`)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
@@ -80,6 +79,12 @@ class RouterHub:
         self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
         self.generating = 0  # generate calls on the stack (generation.py)
         self.synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
+
+    def _look_up_facts(self) -> None:
+        """The facts about each router's class (a class patched since has none yet), and where to intercept."""
+        facts = facts_for(self.model, {type(s.router) for s in self.sites})
+        self.facts = [facts[type(s.router)] for s in self.sites]
+        self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copied model (its layout, with this hub kept in it) makes its own
@@ -99,7 +104,7 @@ class RouterHub:
             layout = model_layout(model)
             hub = layout.kept.get("hub")
             if isinstance(hub, cls) and hub.model is model:
-                hub._reset()
+                hub._reset(kept=True)
             else:
                 hub = layout.kept["hub"] = cls(model, layout)
             try:
@@ -142,7 +147,11 @@ class RouterHub:
     def _install(self) -> None:
         wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
         if wrapped == self._installed and self._patches.redo():  # the last context's patches, set again as they were
-            return  # (which also means no other hub's patch is on its modules)
+            # (which also means no other hub's patch is on its modules, and no router class's forward changed since
+            # they were set: the facts a kept hub kept still hold)
+            return
+        self._look_up_facts()
+        wrapped = tuple(self.router_only)
         for site in self.sites:
             other = patched_by(site.router.__dict__.get("forward"))
             if other is not None:

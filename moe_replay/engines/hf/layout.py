@@ -55,6 +55,17 @@ def model_layout(model: nn.Module) -> Layout:
     return layout
 
 
+def walked(model: object) -> bool:
+    """Whether `model` is a transformers model that a record/replay context has walked (its layout is kept on it): then
+    it needs no other test of which engine it runs on.
+
+    Example:
+        >>> walked(nn.Linear(2, 2))
+        False
+    """
+    own = getattr(model, "__dict__", None)
+    return own is not None and ATTR in own
+
 def _holds(model: nn.Module, layout: Layout) -> bool:
     """Whether every module of the stamp still has the same children under the same names (the model first): then a
     walk would find the same modules under the same names."""

@@ -54,7 +54,7 @@ def on_host(tensor: torch.Tensor) -> bool:
         >>> on_host(torch.zeros(2))
         True
     """
-    return tensor.device.type == "cpu"
+    return tensor.is_cpu  # (a bool read off the tensor: `tensor.device` makes a device object)
 
 
 class Span(NamedTuple):

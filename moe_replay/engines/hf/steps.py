@@ -72,6 +72,8 @@ class StepTracker:
     """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
     stream at the next position; any other forward starts a new stream at position 0."""
 
+    __slots__ = ("stream", "cursor", "batch", "current", "depth", "cache", "_signatures")  # (made per context)
+
     def __init__(self, signatures: dict | None = None) -> None:
         self.stream = -1
         self.cursor = 0
