@@ -66,6 +66,7 @@ def walked(model: object) -> bool:
     own = getattr(model, "__dict__", None)
     return own is not None and ATTR in own
 
+
 def _holds(model: nn.Module, layout: Layout) -> bool:
     """Whether every module of the stamp still has the same children under the same names (the model first): then a
     walk would find the same modules under the same names."""
@@ -89,4 +90,3 @@ def _tracked(
         for prefix, module in modules.items()
         if prefix and isinstance(module, PreTrainedModel) and all(n.startswith(prefix + ".") for n in names)
     ]
-
