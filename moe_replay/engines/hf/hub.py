@@ -56,6 +56,7 @@ class RouterHub:
         self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
         self.pending = [RecomputeQueue(s.name) for s in self.sites]
+        self.queued = False  # whether any call was queued in `pending` since it was made (recompute.py)
         self._reset()
 
     def _reset(self, kept: bool = False) -> None:
@@ -64,10 +65,8 @@ class RouterHub:
         self.tracker = StepTracker(self._signatures)
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
-        for queue in self.pending:  # (a kept hub's queues are empty once its contexts closed)
-            if queue.items or queue.done:
-                self.pending = [RecomputeQueue(s.name) for s in self.sites]
-                break
+        if self.queued:  # (a kept hub's queues are empty once its contexts closed, but for kept recomputes)
+            self.pending, self.queued = [RecomputeQueue(s.name) for s in self.sites], False
         if not kept:
             self._look_up_facts()
         self._occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
@@ -130,7 +129,7 @@ class RouterHub:
                         group[:] = [h for h in group if h is not handler]
                         break
             self.lane_step = None
-            for queue in self.pending:
+            for queue in self.pending if self.queued else ():
                 if queue.items or queue.done:
                     queue.drop(handler)
             if not self.recorders and not self.replayers:
@@ -139,7 +138,7 @@ class RouterHub:
     def pending_for(self, handler: Replayer) -> int:
         """Replayed router calls still waiting for their recompute in the backward."""
         n = 0
-        for queue in self.pending:
+        for queue in self.pending if self.queued else ():
             if queue.items:
                 n += queue.count(handler)
         return n

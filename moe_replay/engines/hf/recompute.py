@@ -161,3 +161,4 @@ def at_router(hub: Any, call: RouterCall, args: tuple, kwargs: dict) -> None:
             )
     elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
         queue.add(Pending(hub.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))
+        hub.queued = True
