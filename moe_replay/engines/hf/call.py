@@ -1,4 +1,5 @@
-"""One router call: which layer and positions it is, which routes it must use, and what its selectors saw."""
+"""One router call: which layer and positions it is, which routes it must use, what its selectors saw, and how the
+hub opens and closes it (`begin_call`, `end_call`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ...errors import ReplayError
+from ..autograd import in_backward
 from .discover import RouterSite
-from .redirect import caller_code
-from .selectors import TOPK_FUNCS, Selector, dispatch, topk_args
+from .redirect import caller_code, redirectable
+from .selectors import TOPK_FUNCS, Selector, TopK, dispatch, topk_args
 from .steps import Step
+from .stream import take
 
 
 @dataclass(slots=True)
@@ -163,3 +166,56 @@ class InterceptMode(TorchFunctionMode):
             per_token = last and call.step is not None and x.numel() == call.step.tokens * x.shape[-1]
             call.topk_sites.append((func, caller_code(), per_token))
         return dispatch(call, func, args, kwargs, self.in_router)
+
+
+def begin_call(hub: Any, i: int) -> RouterCall:
+    """Open a call of router `i` of `hub` (hub.py): which layer it is, which routes it must use, whether it is recorded.
+
+    Example:
+        >>> call = begin_call(hub, 0)  # doctest: +SKIP
+    """
+    site = hub.sites[i]
+    if in_backward():  # a checkpoint recompute: its plan is found when the router runs (`at_router`)
+        return RouterCall(i, site, site.name, None, None, record=False, recompute=True)
+    step = hub.tracker.current
+    if step is None:
+        raise ReplayError(
+            f"router {site.name!r} ran outside a forward of {type(hub.model).__name__}: call the model that was "
+            "given to record_routes / replay_routes"
+        )
+    name = hub.layer(i, step)
+    plan = hub.replayers[-1].plan(name, step) if hub.replayers else None
+    call = RouterCall(i, site, name, step, plan, record=bool(hub.recorders))
+    if site.router.training not in hub.facts[i].redirect:  # still to learn whether its top-k can be redirected
+        call.topk_sites = []
+    return call
+
+
+def end_call(hub: Any, call: RouterCall) -> None:
+    """Close a router call of `hub`: check its replay, learn facts about its router class, record its selection.
+
+    Example:
+        >>> end_call(hub, call)  # doctest: +SKIP
+    """
+    i, router = call.index, call.site.router
+    facts = hub.facts[i]
+    if call.plan is None and call.record and call.router_out is not None and not call.active:
+        j = facts.output_index.get(router.training)
+        if j is not None:  # recorded from the router's output
+            take(hub.taken, call.layer, outputs(call.router_out)[j], call.num_experts)
+            return
+    if not hub.router_only[i] and call.active:
+        hub.router_only[i] = facts.topk_in_router = not call.outside_router
+    if call.topk_sites and hub.router_only[i] and router.training not in facts.redirect:
+        # redirected top-k calls go to the top-k selectors, so the last must be the plain one
+        plain = bool(call.selectors) and type(call.selectors[-1]) is TopK
+        facts.redirect[router.training] = redirectable(router, call.topk_sites) if plain else 0
+    call.check_replayed()
+    if not call.record:
+        return
+    idx, own_output = call.selected()
+    if own_output and call.router_out is not None and router.training not in facts.output_index:
+        facts.output_index[router.training] = next(
+            (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
+        )
+    take(hub.taken, call.layer, idx, call.num_experts)

@@ -1,12 +1,12 @@
 """The hooks on one model, shared by every active record/replay context on it, and the router-call lifecycle.
 
-Each outermost forward of the model is a `Step` (which positions it covers). Each router call opens a `RouterCall` in
-whichever of the router and its MoE block runs first: it gets its layer name, the plan its replayer gives it (and,
-under activation checkpointing, queues that plan for the recompute in the backward), and the selectors of its router
-(selectors.py) see the call's torch functions. When the call ends the replay is checked and the selection recorded
-(and its selectors unlinked from it, so that nothing a call made waits for the garbage collector). A recording
-without replay, of a router class known to return its top-k indices, needs none of this: it reads them from the
-router's output.
+Each outermost forward of the model is a `Step` (which positions it covers). Each router call opens a `RouterCall`
+(call.py) in whichever of the router and its MoE block runs first: it gets its layer name, the plan its replayer
+gives it (and, under activation checkpointing, queues that plan for the recompute in the backward), and the selectors
+of its router (selectors.py) see the call's torch functions. When the call ends the replay is checked and the
+selection recorded (and its selectors unlinked from it, so that nothing a call made waits for the garbage collector).
+A recording without replay, of a router class known to return its top-k indices, needs none of this: it reads them
+from the router's output.
 
 One hub per model holds the hooks for all active contexts, so that a recording nested in a replay sees the replayed
 experts; its hooks are removed with the last context. The hub itself (and the methods it patched) is kept with the
@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...errors import NestedContextError, ReplayError
-from ..autograd import in_backward
-from .call import InterceptMode, Recorder, Replayer, RouterCall, num_scores, outputs
+from ...errors import NestedContextError
+from .call import InterceptMode, Recorder, Replayer, RouterCall, begin_call, end_call, num_scores, outputs
 from .discover import RouterSite
 from .facts import facts_for, signature_cache
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
@@ -34,8 +33,8 @@ from .lane import lane_ready, run_lane
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
 from .recompute import RecomputeQueue, at_router
-from .redirect import Redirects, redirectable
-from .selectors import TopK, selectors_for
+from .redirect import Redirects
+from .selectors import selectors_for
 from .steps import Step, StepTracker, step_wrapper
 from .stream import Taken, take
 
@@ -70,7 +69,7 @@ class RouterHub:
         if not kept:
             self._look_up_facts()
         self._occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
-        self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`_layer`)
+        self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`layer`)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
         self.taken: list[Taken] = []  # recorded router calls of the running step (`take`)
@@ -196,13 +195,13 @@ class RouterHub:
                 step = self.tracker.current
                 if not self.replayers:
                     # a recording read from the router's output: no call state, no interception. `_fast_index` and
-                    # `_layer`'s first run in a step are inlined: this runs per router call and step
+                    # `layer`'s first run in a step are inlined: this runs per router call and step
                     j = self.facts[i].output_index.get(router.training) if self.router_only[i] else None
                     if j is not None and step is not None and graph_task() == -1:
                         out = inner(*args, **kwargs)
                         found = out if type(out) is tuple else outputs(out)
                         if self._occurrence[i] is step:
-                            layer = self._layer(i, step)
+                            layer = self.layer(i, step)
                         else:
                             layer, self._occurrence[i] = name, step
                         take(self.taken, layer, found[j], found[logits_index].shape[-1])
@@ -215,9 +214,9 @@ class RouterHub:
                     and self.facts[i].redirect.get(router.training, 0) == 1
                     and graph_task() == -1
                     and (step is self.lane_step or lane_ready(self, step))
-                ):  # a replay alone, of a redirected router: lane.py (`_layer`'s first run in a step, inlined)
+                ):  # a replay alone, of a redirected router: lane.py (`layer`'s first run in a step, inlined)
                     if self._occurrence[i] is step:
-                        layer = self._layer(i, step)
+                        layer = self.layer(i, step)
                     else:
                         layer, self._occurrence[i] = name, step
                     plan = self.replayers[-1].plan(layer, step)
@@ -228,7 +227,7 @@ class RouterHub:
                     )
             opened = call is None
             if opened:
-                call = self._calls[i] = self._begin(i)
+                call = self._calls[i] = begin_call(self, i)
             if is_router and not call.at_router:
                 call.at_router = True
                 at_router(self, call, args, kwargs)
@@ -265,7 +264,7 @@ class RouterHub:
                     self._calls[i] = None
             if opened:
                 try:
-                    self._end(call)
+                    end_call(self, call)
                 finally:  # its selectors point back at the call: unlinked, both are freed now, not by the collector
                     call.selectors = []
             return out
@@ -273,25 +272,7 @@ class RouterHub:
         return forward
 
     # ---- one router call -----------------------------------------------------------------------------------
-    def _begin(self, i: int) -> RouterCall:
-        """Open one router call: which layer it is, which routes it must use, whether it is recorded."""
-        site = self.sites[i]
-        if in_backward():  # a checkpoint recompute: its plan is found when the router runs (`at_router`)
-            return RouterCall(i, site, site.name, None, None, record=False, recompute=True)
-        step = self.tracker.current
-        if step is None:
-            raise ReplayError(
-                f"router {site.name!r} ran outside a forward of {type(self.model).__name__}: call the model that was "
-                "given to record_routes / replay_routes"
-            )
-        name = self._layer(i, step)
-        plan = self.replayers[-1].plan(name, step) if self.replayers else None
-        call = RouterCall(i, site, name, step, plan, record=bool(self.recorders))
-        if site.router.training not in self.facts[i].redirect:  # still to learn whether its top-k can be redirected
-            call.topk_sites = []
-        return call
-
-    def _layer(self, i: int, step: Step) -> str:
+    def layer(self, i: int, step: Step) -> str:
         """Router `i`'s layer name in `step` (run again in the same forward, by looped layers, it is another layer)."""
         if self._occurrence[i] is not step:
             self._occurrence[i] = step
@@ -312,28 +293,3 @@ class RouterHub:
         """Where in router `i`'s output its top-k's indices are, if its call can be recorded from that alone (see
         `RouterFacts.output_index`)."""
         return self.facts[i].output_index.get(self.sites[i].router.training) if self.router_only[i] else None
-
-    def _end(self, call: RouterCall) -> None:
-        """Close a router call: check its replay, learn facts about its router class, record its selection."""
-        i, router = call.index, call.site.router
-        facts = self.facts[i]
-        if call.plan is None and call.record and call.router_out is not None and not call.active:
-            j = facts.output_index.get(router.training)
-            if j is not None:  # recorded from the router's output
-                take(self.taken, call.layer, outputs(call.router_out)[j], call.num_experts)
-                return
-        if not self.router_only[i] and call.active:
-            self.router_only[i] = facts.topk_in_router = not call.outside_router
-        if call.topk_sites and self.router_only[i] and router.training not in facts.redirect:
-            # redirected top-k calls go to the top-k selectors, so the last must be the plain one
-            plain = bool(call.selectors) and type(call.selectors[-1]) is TopK
-            facts.redirect[router.training] = redirectable(router, call.topk_sites) if plain else 0
-        call.check_replayed()
-        if not call.record:
-            return
-        idx, own_output = call.selected()
-        if own_output and call.router_out is not None and router.training not in facts.output_index:
-            facts.output_index[router.training] = next(
-                (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
-            )
-        take(self.taken, call.layer, idx, call.num_experts)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedGenerationError
-from ..autograd import in_backward, inside_reentrant_checkpoint
+from ..autograd import inside_reentrant_checkpoint
 
 HAND_OVER = 32  # decode steps of a generate held before the recorders take them (`step_wrapper`)
 GENERATE_START = object()  # `StepTracker.cache` as a generate begins, before its first step
@@ -168,7 +168,10 @@ class StepTracker:
                 if p.kind == inspect.Parameter.VAR_KEYWORD and p.name in bound:
                     return {**bound, **bound.pop(p.name)}
             return bound
-        return {**dict(zip(names, args, strict=False)), **kwargs}
+        bound = dict(zip(names, args, strict=False))
+        if kwargs:
+            bound.update(kwargs)
+        return bound
 
 
 def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -178,9 +181,11 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         >>> model.forward = step_wrapper(hub, model.forward)  # doctest: +SKIP
     """
 
+    graph_task = torch._C._current_graph_task_id  # -1 outside a backward (`in_backward`, inlined below)
+
     def forward(*args: Any, **kwargs: Any) -> Any:
         tracker = hub.tracker
-        if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
+        if tracker.depth or graph_task() != -1:  # an inner model called by the outer one, or a recompute
             return inner(*args, **kwargs)
         step = tracker.begin(inner, args, kwargs, hub.generating > 0)
         step.synced = hub.synced

@@ -8,7 +8,7 @@ import torch
 from helpers import left_padded, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, UnsupportedModelError, record_routes, replay_routes
-from moe_replay.engines.hf import hub as hub_module
+from moe_replay.engines.hf import call as call_module
 from moe_replay.engines.hf import lane as lane_module
 from moe_replay.engines.hf.facts import router_facts
 
@@ -17,13 +17,13 @@ from moe_replay.engines.hf.facts import router_facts
 def calls(monkeypatch):  # noqa: ANN001, ANN201
     """Counts the `RouterCall`s the hub opens (none for a call in the lane)."""
     opened = []
-    real = hub_module.RouterCall
+    real = call_module.RouterCall
 
     def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         opened.append(args[2])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hub_module, "RouterCall", counting)
+    monkeypatch.setattr(call_module, "RouterCall", counting)
     return opened
 
 
