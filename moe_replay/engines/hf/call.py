@@ -81,7 +81,7 @@ class RouterCall:
                 return
         raise not_applied(self.layer, self.site.router, plan, self.step.tokens, self._seen())
 
-    def redirected_topk(self, args: tuple, kwargs: dict) -> Any:
+    def redirected_topk(self, *args: Any, **kwargs: Any) -> Any:
         """A `torch.topk` call of the router's redirected forward (redirect.py): the first of the call's selectors
         that claims it runs it."""
         selectors = self.selectors

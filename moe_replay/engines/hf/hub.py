@@ -33,7 +33,7 @@ from .lane import lane_ready, run_lane
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
 from .recompute import RecomputeQueue, at_router
-from .redirect import Redirects
+from .redirect import Redirects, run_redirected
 from .selectors import selectors_for
 from .steps import Step, StepTracker, step_wrapper
 from .stream import Taken, take
@@ -222,9 +222,7 @@ class RouterHub:
                     plan = self.replayers[-1].plan(layer, step)
                     if plan is None:  # a dummy forward past the routes: routed live
                         return inner(*args, **kwargs)
-                    return run_lane(
-                        self._redirects, own_copy, router, layer, plan, step.tokens, logits_index, args, kwargs
-                    )
+                    return run_lane(own_copy, router, layer, plan, step.tokens, logits_index, args, kwargs)
             opened = call is None
             if opened:
                 call = self._calls[i] = begin_call(self, i)
@@ -246,7 +244,7 @@ class RouterHub:
             try:
                 if redirected is not None:  # only the router's own torch.topk is intercepted
                     call.intercepting = True
-                    out = self._redirects.run(call.redirected_topk, redirected, router, args, kwargs)
+                    out = run_redirected(redirected, call.redirected_topk, router, args, kwargs)
                 elif intercept:
                     call.intercepting = True
                     with InterceptMode(call, lambda: self._in_router[i] > 0):

@@ -18,7 +18,6 @@ from torch import nn
 
 from .call import Plan, check_experts, not_applied, num_scores
 from .recompute import will_be_recomputed
-from .redirect import Redirects
 from .selectors import forced_topk, replaces, topk_args, topk_calls
 from .steps import Step
 
@@ -34,7 +33,7 @@ class Lane:
         self.shape = (tokens, plan.num_experts)  # the input [N, E] of a selecting top-k, as most routers call it
         self.seen: list[tuple[int, int]] | None = None  # (last dim, k) of top-k calls over the last dim, not replaced
 
-    def topk(self, args: tuple, kwargs: dict) -> Any:
+    def topk(self, *args: Any, **kwargs: Any) -> Any:
         """`torch.topk(*args, **kwargs)`, the plan's experts if it is the selection the plan replaces."""
         x, plan = args[0], self.plan
         if x.shape == self.shape and plan.all_recorded:  # the common case, checked with the fewest calls
@@ -71,7 +70,6 @@ def lane_ready(hub: Any, step: Step) -> bool:
 
 
 def run_lane(
-    redirects: Redirects,
     forward: types.FunctionType,
     router: nn.Module,
     layer: str,
@@ -85,10 +83,15 @@ def run_lane(
     of `tokens` tokens) and return its output; raise `ReplayError` unless the plan decided the call's experts.
 
     Example:
-        >>> out = run_lane(redirects, fwd, router, "model.layers.0.mlp.gate", plan, 32, 0, (h,), {})  # doctest: +SKIP
+        >>> out = run_lane(fwd, router, "model.layers.0.mlp.gate", plan, 32, 0, (h,), {})  # doctest: +SKIP
     """
     lane = Lane(plan, tokens)
-    out = redirects.run(lane.topk, forward, router, args, kwargs)
+    proxy = forward.torch_proxy  # (`redirect.run_redirected`, inlined: this runs per replayed router call)
+    previous, proxy.topk = proxy.topk, lane.topk
+    try:
+        out = forward(router, *args, **kwargs)
+    finally:
+        proxy.topk = previous
     check_experts(layer, num_scores(out, logits_index), plan)
     if not lane.applied:
         raise not_applied(layer, router, plan, tokens, topk_calls(lane.seen or []))

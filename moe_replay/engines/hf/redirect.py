@@ -61,41 +61,60 @@ def _torch_names(func: types.FunctionType) -> list[str]:
 
 
 class TorchProxy:
-    """torch, as the redirected forward sees it: `topk` is the hub's; every other attribute is torch's own (those the
-    forward names are set up front, so reading them costs a plain attribute lookup)."""
+    """torch, as the redirected forward sees it: `topk` is whatever the hub sets for the running call (torch's own
+    otherwise); every other attribute is torch's own (those the forward names are set up front, so reading them costs
+    a plain attribute lookup)."""
 
-    def __init__(self, topk: Callable[..., Any], names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...]) -> None:
         for name in names:
-            if name != "topk" and hasattr(torch, name):
+            if hasattr(torch, name):
                 setattr(self, name, getattr(torch, name))
-        self.topk = topk
+        self.topk = torch.topk
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
 
-def redirected_forward(forward: types.FunctionType, topk: Callable[..., Any]) -> types.FunctionType:
-    """A copy of a router class's `forward` whose `torch.topk` calls go to `topk` (call it as `copy(router, ...)`).
+def redirected_forward(forward: types.FunctionType) -> types.FunctionType:
+    """A copy of a router class's `forward` whose module-level `torch` is a `TorchProxy` (the copy's `torch_proxy`):
+    its `torch.topk` calls go to whatever `torch_proxy.topk` is when they run (call it as `copy(router, ...)`).
 
     Example:
-        >>> fast = redirected_forward(type(router).forward, my_topk)  # doctest: +SKIP
-        >>> fast(router, hidden_states)  # torch.topk inside runs my_topk  # doctest: +SKIP
+        >>> fast = redirected_forward(type(router).forward)  # doctest: +SKIP
+        >>> run_redirected(fast, my_topk, router, (hidden_states,), {})  # its torch.topk runs my_topk  # doctest: +SKIP
     """
-    proxy = TorchProxy(topk, forward.__code__.co_names)
+    proxy = TorchProxy(forward.__code__.co_names)
     scope = dict(forward.__globals__)
     for name in _torch_names(forward):
         scope[name] = proxy
     copy = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
     copy.__kwdefaults__ = forward.__kwdefaults__
+    copy.torch_proxy = proxy
     return copy
 
 
+def run_redirected(
+    forward: types.FunctionType, topk: Callable[..., Any], router: nn.Module, args: tuple, kwargs: dict
+) -> Any:
+    """Run the redirected `forward` of `router` (`redirected_forward`), its `torch.topk(...)` calls going to
+    `topk(...)`.
+
+    Example:
+        >>> out = run_redirected(fast, my_topk, router, (hidden_states,), {})  # doctest: +SKIP
+    """
+    proxy = forward.torch_proxy
+    previous, proxy.topk = proxy.topk, topk
+    try:
+        return forward(router, *args, **kwargs)
+    finally:
+        proxy.topk = previous
+
+
 class Redirects:
-    """One hub's redirected router forwards (per router class) and the top-k handler of the one running."""
+    """One hub's redirected router forwards, per router class forward."""
 
     def __init__(self) -> None:
-        self._forwards: dict[types.FunctionType, types.FunctionType] = {}  # per class forward
-        self._handler: Callable[[tuple, dict], Any] | None = None
+        self._forwards: dict[types.FunctionType, types.FunctionType] = {}
 
     def forward(self, router: nn.Module, inner: Any) -> types.FunctionType | None:
         """The redirected copy of `router`'s class forward, or None if `inner` (what the router's forward is now)
@@ -107,23 +126,5 @@ class Redirects:
             return None
         found = self._forwards.get(forward)
         if found is None:
-            found = self._forwards[forward] = redirected_forward(forward, self._topk)
+            found = self._forwards[forward] = redirected_forward(forward)
         return found
-
-    def run(
-        self, topk: Callable[[tuple, dict], Any], forward: types.FunctionType, router: nn.Module, args: tuple, kw: dict
-    ) -> Any:
-        """Run the redirected `forward` of `router`, its `torch.topk(*args, **kwargs)` calls going to
-        `topk(args, kwargs)`."""
-        previous, self._handler = self._handler, topk
-        try:
-            return forward(router, *args, **kw)
-        finally:
-            self._handler = previous
-
-    def _topk(self, *args: Any, **kwargs: Any) -> Any:
-        """`torch.topk` as a redirected forward sees it."""
-        handler = self._handler
-        if handler is None:
-            return torch.topk(*args, **kwargs)
-        return handler(args, kwargs)
