@@ -222,7 +222,8 @@ class RouterHub:
                     plan = self.replayers[-1].plan(layer, step)
                     if plan is None:  # a dummy forward past the routes: routed live
                         return inner(*args, **kwargs)
-                    return run_lane(own_copy, router, layer, plan, step.tokens, logits_index, args, kwargs)
+                    tokens = step.batch * step.length  # (`step.tokens`, a property: a frame per call)
+                    return run_lane(own_copy, router, layer, plan, tokens, logits_index, args, kwargs)
             opened = call is None
             if opened:
                 call = self._calls[i] = begin_call(self, i)
