@@ -43,7 +43,7 @@ def all_true(mask: torch.Tensor) -> bool:
         False
     """
     if mask.numel() <= SMALL_MASK:
-        return all(False not in row for row in mask.tolist())
+        return all(map(all, mask.tolist()))  # (C loops: no Python frame per row)
     return bool(mask.all())
 
 
@@ -147,16 +147,20 @@ class RouteReplayer:
         """The replay data of the step's positions (None when the step is not replayed), after checking that the
         routes cover the step. A forward of the same span as the last one (in one context) reuses its conversion."""
         r = self.routes
-        if step.batch != r.batch_size:
-            raise ReplayError(f"routes hold B={r.batch_size} sequences but the forward has batch {step.batch}")
+        B, T = r.indices.shape[:2]  # (r.batch_size, r.seq_len: properties, a Python call each)
+        if step.batch != B:
+            raise ReplayError(f"routes hold B={B} sequences but the forward has batch {step.batch}")
         end = step.start + step.length
-        if step.synced and step.start >= r.seq_len - 1:
+        if step.synced and step.start >= T - 1:
             return None  # a dummy forward of a rank that finished early (generate(synced_gpus=True))
-        if end > r.seq_len:
+        if end > T:
             raise ReplayError(
-                f"the forward covers positions {step.start}..{end - 1} but the routes hold T={r.seq_len} positions"
+                f"the forward covers positions {step.start}..{end - 1} but the routes hold T={T} positions"
             )
-        key = (step.start, end, version(r.indices), version(r.mask))  # the routes as they are now (in-place edits)
+        try:  # the routes as they are now (in-place edits); `autograd.version` of each, inlined
+            key = (step.start, end, r.indices._version, r.mask._version)
+        except RuntimeError:  # an inference tensor: its edits are not counted
+            key = (step.start, end, version(r.indices), version(r.mask))
         last = self._last
         if last is None or last[0] != key or None in key or not last[1].intact():  # (None: inference tensors)
             last = self._last = (key, self._convert(step.start, end))
@@ -165,7 +169,7 @@ class RouteReplayer:
     def _convert(self, start: int, end: int) -> Span:
         """The replay data of positions [start, end) (see `Span`)."""
         r = self.routes
-        full = start == 0 and end == r.seq_len  # a forward of the whole routes: no slices
+        full = start == 0 and end == r.indices.shape[1]  # a forward of the whole routes: no slices
         mask = r.mask if full else r.mask[:, start:end]
         host = self._host_mask()
         all_recorded = all_true(host if full else host[:, start:end])
