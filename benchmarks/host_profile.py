@@ -109,8 +109,11 @@ def main() -> int:
         raw = Path(tmp) / "samples.txt"
         child = [sys.executable, __file__, "--_loop", "--work", args.work, "--seconds", str(args.seconds)]
         cmd = [spy, "record", "-f", "raw", "-r", "997", "--nonblocking", "-o", str(raw), "--", *child]
-        subprocess.run(cmd, check=True, capture_output=True, cwd=Path(__file__).parent)
-        totals, own = shares(raw, args.innermost)
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
+        totals, own = shares(raw, args.innermost) if raw.exists() else (collections.Counter(), collections.Counter())
+    if done.returncode != 0 or not totals["ours"] or not totals["plain"]:  # (py-spy exits 0 when the loop failed)
+        print(f"py-spy sampled no work (exit {done.returncode}):\n{done.stdout}{done.stderr}", file=sys.stderr)
+        return 1
     mine = sum(own.values())
     print(f"samples: plain {totals['plain']}, ours {totals['ours']}, moe-replay's own {mine}")
     print("function (moe-replay's own samples charged to it) | samples | share of own")

@@ -26,7 +26,9 @@ def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | 
         ...     out = model.generate(**batch, do_sample=True, return_dict_in_generate=True)
         >>> routes = rec.routes
     """
-    if not walked(model) and megatron.is_megatron_model(model):
+    if walked(model):  # a transformers model a context walked before (as often as once per minibatch)
+        return hf.RouteRecorder(model)
+    if megatron.is_megatron_model(model):
         return megatron.record_routes(model)
     return hf.record_routes(_one_module(model))
 
@@ -45,7 +47,9 @@ def replay_routes(
         ...     loss = loss_fn(model(sequences).logits)
         ...     loss.backward()
     """
-    if not walked(model) and megatron.is_megatron_model(model):  # (a model walked before: no megatron test)
+    if walked(model):  # a transformers model a context walked before (as often as once per log-prob chunk)
+        return hf.RouteReplayer(model, routes, track_live=track_live)
+    if megatron.is_megatron_model(model):
         if track_live:
             raise ValueError("track_live is supported on Hugging Face models, not on megatron-core models")
         return megatron.replay_routes(model, routes)

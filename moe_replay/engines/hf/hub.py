@@ -27,7 +27,7 @@ from torch import nn
 from ...errors import NestedContextError
 from .call import InterceptMode, Recorder, Replayer, RouterCall, begin_call, end_call, num_scores, outputs
 from .discover import RouterSite
-from .facts import facts_for, signature_cache
+from .facts import RouterFacts, facts_for, signature_cache
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .lane import lane_ready, run_lane
 from .layout import Layout, model_layout
@@ -56,18 +56,19 @@ class RouterHub:
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
         self.pending = [RecomputeQueue(s.name) for s in self.sites]
         self.queued = False  # whether any call was queued in `pending` since it was made (recompute.py)
+        # what was learned about each router's class, and which routers intercept in the router alone: looked up by
+        # `_install` whenever the patches are not set again exactly as they were
+        self.facts: list[RouterFacts] = []
+        self.router_only: list[bool] = []
         self._reset()
 
-    def _reset(self, kept: bool = False) -> None:
-        """The state of one stretch of open contexts: a kept hub starts each one afresh. A `kept` hub keeps its facts
-        for `_install`, which looks them up again unless every patch is set again as it was."""
+    def _reset(self) -> None:
+        """The state of one stretch of open contexts: a kept hub starts each one afresh (its facts are `_install`'s)."""
         self.tracker = StepTracker(self._signatures)
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
-        if self.queued:  # (a kept hub's queues are empty once its contexts closed, but for kept recomputes)
+        if self.queued:  # (each context drops its calls as it closes: made afresh all the same)
             self.pending, self.queued = [RecomputeQueue(s.name) for s in self.sites], False
-        if not kept:
-            self._look_up_facts()
         self._occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
         self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`layer`)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
@@ -102,7 +103,7 @@ class RouterHub:
             layout = model_layout(model)
             hub = layout.kept.get("hub")
             if isinstance(hub, cls) and hub.model is model:
-                hub._reset(kept=True)
+                hub._reset()
             else:
                 hub = layout.kept["hub"] = cls(model, layout)
             try:
@@ -145,8 +146,8 @@ class RouterHub:
     def _install(self) -> None:
         wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
         if wrapped == self._installed and self._patches.redo():  # the last context's patches, set again as they were
-            # (which also means no other hub's patch is on its modules, and no router class's forward changed since
-            # they were set: the facts a kept hub kept still hold)
+            # (which also means no other hub's patch is on its modules, and no router's class, nor its forward, changed
+            # since they were set: the facts the hub kept still hold)
             return
         self._look_up_facts()
         wrapped = tuple(self.router_only)

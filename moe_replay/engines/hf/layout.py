@@ -44,8 +44,12 @@ def model_layout(model: nn.Module) -> Layout:
         ['model.layers.1.mlp.gate', 'model.layers.2.mlp.gate']
     """
     kept = model.__dict__.get(ATTR)
-    if isinstance(kept, Layout) and _holds(model, kept):
-        return kept
+    if isinstance(kept, Layout):
+        # every module of the stamp still has the same children under the same names (the model first): then a walk
+        # would find the same modules under the same names. Compared in one C loop, inline: this runs per context
+        modules, children = kept.stamp
+        if modules and modules[0] is model and all(map(eq, map(_CHILDREN, modules), children)):
+            return kept
     modules = dict(model.named_modules())
     sites = tuple(find_routers(model, modules))
     tracked = _tracked(model, sites, modules)
@@ -65,16 +69,6 @@ def walked(model: object) -> bool:
     """
     own = getattr(model, "__dict__", None)
     return own is not None and ATTR in own
-
-
-def _holds(model: nn.Module, layout: Layout) -> bool:
-    """Whether every module of the stamp still has the same children under the same names (the model first): then a
-    walk would find the same modules under the same names."""
-    modules, children = layout.stamp
-    if not modules or modules[0] is not model:
-        return False
-    # each module's children now against the copy taken then, compared in one C loop: this runs per context
-    return all(map(eq, map(_CHILDREN, modules), children))
 
 
 def _tracked(

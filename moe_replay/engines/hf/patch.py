@@ -27,6 +27,7 @@ class _Entry:
     had_own: bool
     previous: Any
     shared: Any  # the class's attribute of that name when set (what a wrapper of the class's method wraps)
+    cls: type  # the module's class when set
     wraps: bool = False  # a wrapper of the module's method (`Patches.patch`), valid while that method is unchanged
 
     def apply(self) -> None:
@@ -62,7 +63,8 @@ class Patches:
         """Set `module.<attr>` to `value` on the instance until `undo` (`wraps`: the value wraps the method it
         replaces)."""
         own = module.__dict__
-        entry = _Entry(module, attr, value, attr in own, own.get(attr), getattr(type(module), attr, None), wraps)
+        cls = type(module)
+        entry = _Entry(module, attr, value, attr in own, own.get(attr), getattr(cls, attr, None), cls, wraps)
         entry.apply()
         self._entries.append(entry)
         if id(module) not in self._copyable:
@@ -103,9 +105,9 @@ class Patches:
 
     def redo(self) -> bool:
         """Set again every attribute the last `undo` removed, if nothing is set now and every module still has, on
-        itself and on its class, what it had when the attribute was first set (so every wrapper still wraps what is
-        there); else set nothing. Returns whether it did: a context per minibatch then costs one loop, not a patch
-        per method.
+        itself and on its class, what it had when the attribute was first set, and a wrapped method's module the same
+        class (so every wrapper still wraps what is there); else set nothing. Returns whether it did: a context per
+        minibatch then costs one loop, not a patch per method.
         """
         entries = self._undone
         if self._entries or not entries:
@@ -117,8 +119,8 @@ class Patches:
                     return False
             elif e.had_own:
                 return False
-            if e.wraps and getattr(type(e.module), e.attr, None) is not e.shared:
-                return False
+            if e.wraps and (type(e.module) is not e.cls or getattr(e.cls, e.attr, None) is not e.shared):
+                return False  # (a class swapped in place, even one that keeps the method, may differ elsewhere)
         for e in entries:
             e.module.__dict__[e.attr] = e.value
         self._entries, self._undone = entries, []

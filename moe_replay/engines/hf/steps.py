@@ -93,7 +93,16 @@ class StepTracker:
     def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generating: bool = False) -> Step:
         """Open the step of an outermost forward (`forward` is the module's unwrapped forward; `generating`: inside
         `generate`)."""
-        bound = self._arguments(forward, args, kwargs) if args else kwargs
+        if not args:
+            bound = kwargs
+        else:  # the common case of `_arguments` inline: positional arguments onto the leading parameters' names
+            names = self._signatures.get(forward, (None, None))[1]
+            if names is not None and len(args) <= len(names):
+                bound = dict(zip(names, args, strict=False))
+                if kwargs:
+                    bound.update(kwargs)
+            else:
+                bound = self._arguments(forward, args, kwargs)
         tokens = bound.get("input_ids")
         if tokens is None:
             tokens = bound.get("inputs_embeds")

@@ -278,20 +278,6 @@ def test_no_grad_inside_a_forward_is_not_a_checkpoint_and_a_raised_forward_leave
         model(ids, attention_mask=mask, labels=ids).loss.backward()  # the retry; the context then exits cleanly
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_a_context_closed_before_the_backward_of_a_checkpointed_forward_is_an_error(setup, reentrant):
-    """The recompute in the backward needs the context open: closing it first raises, naming the calls still waiting;
-    the next context on the model (its kept hub) starts with nothing waiting and replays its own backward."""
-    model, ids, mask, routes = setup
-    expected = grads(model, ids, mask, routes)  # without checkpointing
-    model = copy.deepcopy(model)
-    hf_flag(model, reentrant)
-    with pytest.raises(ReplayError, match=r"\d+ replayed router calls still wait for their recompute"):
-        with replay_routes(model, routes):
-            model(ids, attention_mask=mask, labels=ids, use_cache=False)
-    assert_same_grads(grads(model, ids, mask, routes), expected)  # the next context, backward inside it
-
-
 def test_a_recompute_of_a_forward_outside_the_replay_is_refused(setup):
     """A checkpointed forward run live before the context, backwarded inside it, must not take the plan of the
     context's own waiting forward (found by review: all 36 gradients wrong, no error)."""

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from families import build_tiny_model
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from moe_replay import record_routes, replay_routes
@@ -77,6 +78,33 @@ def test_a_dense_mlp_swapped_for_an_moe_block_inside_a_kept_layer_is_found():
     assert rec.routes.layer_names == ["model.layers.0.mlp.gate", *before.layer_names]
     with pytest.raises(ReplayError, match=r"model\.layers\.0\.mlp\.gate"), replay_routes(model, before):
         model(ids)  # the routes from before the swap hold no layer for the new router: refused as the context opens
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        assert torch.equal(model(ids).logits, expected)
+
+
+def test_a_router_class_swapped_in_place_is_learned_afresh():
+    """torch's parametrize swaps a router's class in place for a subclass that keeps its forward: the kept hub looks up
+    the facts of the class that now runs instead of reusing the old class's (found by review), and still replays."""
+    from torch.nn.utils import parametrize
+
+    from moe_replay.engines.hf.facts import router_facts
+
+    model = build_tiny_model("qwen3_moe")
+    ids = torch.randint(5, 100, (1, 6))
+    recorded_layers(model, ids)  # learns the router class's facts
+    recorded_layers(model, ids)  # patches set as learned: the next context sets them again as they are
+    router = model_layout(model).sites[0].router
+    before = type(router)
+
+    class Scaled(nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight * 2.0
+
+    parametrize.register_parametrization(router, "weight", Scaled())
+    assert type(router) is not before and type(router).forward is before.forward
+    with torch.no_grad(), record_routes(model) as rec:
+        expected = model(ids).logits
+    assert type(router) in router_facts(model)  # learned for the class that ran
     with torch.no_grad(), replay_routes(model, rec.routes):
         assert torch.equal(model(ids).logits, expected)
 
