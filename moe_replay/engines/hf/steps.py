@@ -214,7 +214,10 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         if hub.taken:  # the recorders take the step's router calls, a generate's decode steps `HAND_OVER` at a time
             hub.held.append((step, hub.taken))
             hub.taken = []
-            if len(hub.held) >= HAND_OVER or step.length != 1 or not extends_generation(step):
+            # (`... or not extends_generation(step)`, inlined over both conditions: a Python call per step costs)
+            if len(hub.held) >= HAND_OVER or step.length != 1 or not step.generating or step.start == 0:
+                hub.hand_over()
+            elif (mask := step.attention) is not None and mask.shape[1] != step.start + 1:
                 hub.hand_over()
         return out
 
