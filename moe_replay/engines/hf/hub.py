@@ -36,7 +36,7 @@ from .recompute import RecomputeQueue, at_router
 from .redirect import Redirects, run_redirected
 from .selectors import selectors_for
 from .steps import Step, StepTracker, step_wrapper
-from .stream import Taken
+from .stream import Taken, take
 
 
 class RouterHub:
@@ -205,12 +205,7 @@ class RouterHub:
                             layer = self.layer(i, step)
                         else:
                             layer, self._occurrence[i] = name, step
-                        idx = found[j]  # (`stream.take`, inlined: a Python call per router call and step costs)
-                        try:
-                            v = idx._version
-                        except RuntimeError:  # an inference tensor: no version to check later, so a copy now
-                            v, idx = None, idx.clone()
-                        self.taken.append((layer, idx, v, found[logits_index].shape[-1]))
+                        take(self.taken, layer, found[j], found[logits_index].shape[-1])
                         return out
                 elif (
                     own_copy is not None

@@ -93,16 +93,16 @@ class StepTracker:
     def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generating: bool = False) -> Step:
         """Open the step of an outermost forward (`forward` is the module's unwrapped forward; `generating`: inside
         `generate`)."""
-        if not args:
+        if not args:  # the keyword arguments are the call's arguments as they are
             bound = kwargs
-        else:  # the common case of `_arguments` inline: positional arguments onto the leading parameters' names
-            names = self._signatures.get(forward, (None, None))[1]
+        else:  # positional arguments onto the leading positional parameters' names (cached per forward)
+            sig, names = self._signatures.get(forward) or self._signature(forward)
             if names is not None and len(args) <= len(names):
                 bound = dict(zip(names, args, strict=False))
                 if kwargs:
                     bound.update(kwargs)
-            else:
-                bound = self._arguments(forward, args, kwargs)
+            else:  # a signature with *args, or more positional arguments than parameters: bound by `inspect`
+                bound = _bind(sig, args, kwargs)
         tokens = bound.get("input_ids")
         if tokens is None:
             tokens = bound.get("inputs_embeds")
@@ -157,30 +157,24 @@ class StepTracker:
         self.current = Step(self.stream, B, start, t, mask, tokens.device, grad, False, generating)  # (positional)
         return self.current
 
-    def _arguments(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The call's arguments by parameter name, those of a `**kwargs` parameter among them. Positional arguments map
-        onto the leading positional parameters (names cached per forward); a signature with *args, or more positional
-        arguments than parameters, is bound by `inspect`. (`begin` calls it only with positional arguments: without
-        any, the keyword arguments are the call's arguments as they are.)"""
-        found = self._signatures.get(forward)
-        if found is None:
-            sig = inspect.signature(forward)
-            kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            params = list(sig.parameters.values())
-            plain = all(p.kind != inspect.Parameter.VAR_POSITIONAL for p in params)
-            names = tuple(p.name for p in params if p.kind in kinds) if plain else None
-            found = self._signatures[forward] = (sig, names)
-        sig, names = found
-        if names is None or len(args) > len(names):
-            bound = dict(sig.bind_partial(*args, **kwargs).arguments)
-            for p in sig.parameters.values():  # a wrapper's **kwargs, flattened
-                if p.kind == inspect.Parameter.VAR_KEYWORD and p.name in bound:
-                    return {**bound, **bound.pop(p.name)}
-            return bound
-        bound = dict(zip(names, args, strict=False))
-        if kwargs:
-            bound.update(kwargs)
-        return bound
+    def _signature(self, forward: Any) -> tuple[inspect.Signature, tuple[str, ...] | None]:
+        """`forward`'s signature and the names of its leading positional parameters (None if it takes *args), kept."""
+        sig = inspect.signature(forward)
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        params = list(sig.parameters.values())
+        plain = all(p.kind != inspect.Parameter.VAR_POSITIONAL for p in params)
+        found = self._signatures[forward] = (sig, tuple(p.name for p in params if p.kind in kinds) if plain else None)
+        return found
+
+
+def _bind(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by parameter name as `inspect` binds them, those of a `**kwargs` parameter among them (a
+    wrapper's keyword arguments, flattened)."""
+    bound = dict(sig.bind_partial(*args, **kwargs).arguments)
+    for p in sig.parameters.values():
+        if p.kind == inspect.Parameter.VAR_KEYWORD and p.name in bound:
+            return {**bound, **bound.pop(p.name)}
+    return bound
 
 
 def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -214,10 +208,7 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         if hub.taken:  # the recorders take the step's router calls, a generate's decode steps `HAND_OVER` at a time
             hub.held.append((step, hub.taken))
             hub.taken = []
-            # (`... or not extends_generation(step)`, inlined over both conditions: a Python call per step costs)
-            if len(hub.held) >= HAND_OVER or step.length != 1 or not step.generating or step.start == 0:
-                hub.hand_over()
-            elif (mask := step.attention) is not None and mask.shape[1] != step.start + 1:
+            if len(hub.held) >= HAND_OVER or step.length != 1 or not extends_generation(step):
                 hub.hand_over()
         return out
 
