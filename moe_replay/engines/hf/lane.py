@@ -18,6 +18,7 @@ from torch import nn
 
 from .call import Plan, check_experts, not_applied, num_scores
 from .recompute import will_be_recomputed
+from .redirect import run_redirected
 from .selectors import forced_topk, replaces, topk_args, topk_calls
 from .steps import Step
 
@@ -86,12 +87,7 @@ def run_lane(
         >>> out = run_lane(fwd, router, "model.layers.0.mlp.gate", plan, 32, 0, (h,), {})  # doctest: +SKIP
     """
     lane = Lane(plan, tokens)
-    proxy = forward.torch_proxy  # (`redirect.run_redirected`, inlined: this runs per replayed router call)
-    previous, proxy.topk = proxy.topk, lane.topk
-    try:
-        out = forward(router, *args, **kwargs)
-    finally:
-        proxy.topk = previous
+    out = run_redirected(forward, lane.topk, router, args, kwargs)
     # (`check_experts(layer, num_scores(out, logits_index), plan)`, inlined for a tuple output: a call costs a frame)
     E = out[logits_index].shape[-1] if type(out) is tuple else num_scores(out, logits_index)
     if E != plan.num_experts:
