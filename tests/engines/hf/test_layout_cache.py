@@ -62,8 +62,8 @@ def test_layout_is_kept_and_found_again_when_the_tree_changes():
 
 def test_a_dense_mlp_swapped_for_an_moe_block_inside_a_kept_layer_is_found():
     """Sparse upcycling in place: the dense first layer keeps its place and gets an MoE block as its `mlp`. That layer
-    is on no path to a router, yet a fresh walk must find the new router (found by review: the layout kept only the
-    paths to the routers, so the new layer was silently left out of the recording)."""
+    is on no path to a router, yet a fresh walk must find the new router (found while profiling: the layout kept only
+    the paths to the routers, so the new layer was silently left out of the recording)."""
     model = build_tiny_model("qwen3_moe")
     ids = torch.randint(5, 100, (1, 6))
     with torch.no_grad(), record_routes(model) as rec:
