@@ -60,6 +60,11 @@ class RouterHub:
         # `_install` whenever the patches are not set again exactly as they were
         self.facts: list[RouterFacts] = []
         self.router_only: list[bool] = []
+        # per router, while the open contexts only record and its MoE block runs unwrapped: its class's
+        # `output_index` (facts.py), through which a call is recorded from the router's output alone; else None.
+        # Mutated in place (the routers' wrappers hold the list), set by `_record_from_outputs`
+        self._record_from: list[dict[bool, int | None] | None] = [None] * len(self.sites)
+        self._reading = False  # whether `_record_from` is set
         self._reset()
 
     def _reset(self) -> None:
@@ -67,6 +72,7 @@ class RouterHub:
         self.tracker = StepTracker(self._signatures)
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
+        self._record_from_outputs(False)
         if self.queued:  # (each context drops its calls as it closes: made afresh all the same)
             self.pending, self.queued = [RecomputeQueue(s.name) for s in self.sites], False
         self._occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
@@ -114,6 +120,7 @@ class RouterHub:
         if hub.held:
             hub.hand_over()  # what ran before belongs to the contexts open then
         (hub.replayers if replay else hub.recorders).append(handler)
+        hub._record_from_outputs(not hub.replayers)
         hub.lane_step = None
         return hub
 
@@ -134,6 +141,17 @@ class RouterHub:
                     queue.drop(handler)
             if not self.recorders and not self.replayers:
                 self._patches.undo()
+            else:
+                self._record_from_outputs(not self.replayers)
+
+    def _record_from_outputs(self, on: bool) -> None:
+        """Let the routers whose MoE block runs unwrapped record each call from their output alone (`on`: the open
+        contexts only record), or not."""
+        if on == self._reading:
+            return  # (the patches, and so which blocks are wrapped, do not change while a context is open)
+        self._reading, table, unwrapped = on, self._record_from, self._installed
+        for i, facts in enumerate(self.facts):
+            table[i] = facts.output_index if on and unwrapped and unwrapped[i] else None
 
     def pending_for(self, handler: Replayer) -> int:
         """Replayed router calls still waiting for their recompute in the backward."""
@@ -189,25 +207,29 @@ class RouterHub:
         router, name = self.sites[i].router, self.sites[i].name
         graph_task = torch._C._current_graph_task_id  # -1 outside a backward (`in_backward`, inlined below)
         own_copy = self._redirects.forward(router, inner) if is_router else None  # its forward, top-k redirected
+        # (a block wrapper's router never reads its output alone: its entry stays None, but the block's is never read)
+        record_from = self._record_from if is_router else [None] * len(self.sites)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            index = record_from[i]
+            if index is not None:  # a recording alone, of a router class whose output holds its top-k's indices
+                j = index.get(router.training)
+                step = self.tracker.current
+                if j is not None and step is not None and graph_task() == -1:
+                    # read from the router's output: no call state, no interception (`layer`'s first run in a step,
+                    # inlined: this runs per router call and step)
+                    out = inner(*args, **kwargs)
+                    found = out if type(out) is tuple else outputs(out)
+                    if self._occurrence[i] is step:
+                        layer = self.layer(i, step)
+                    else:
+                        layer, self._occurrence[i] = name, step
+                    take(self.taken, layer, found[j], found[logits_index].shape[-1])
+                    return out
             call = self._calls[i]
             if call is None and is_router:
                 step = self.tracker.current
-                if not self.replayers:
-                    # a recording read from the router's output: no call state, no interception. `_fast_index` and
-                    # `layer`'s first run in a step are inlined: this runs per router call and step
-                    j = self.facts[i].output_index.get(router.training) if self.router_only[i] else None
-                    if j is not None and step is not None and graph_task() == -1:
-                        out = inner(*args, **kwargs)
-                        found = out if type(out) is tuple else outputs(out)
-                        if self._occurrence[i] is step:
-                            layer = self.layer(i, step)
-                        else:
-                            layer, self._occurrence[i] = name, step
-                        take(self.taken, layer, found[j], found[logits_index].shape[-1])
-                        return out
-                elif (
+                if (  # (the hooks are set only while a context is open: no recorder means a replayer)
                     own_copy is not None
                     and not self.recorders
                     and step is not None

@@ -7,6 +7,7 @@ import torch
 from helpers import PAD, extend_mask, left_padded, perturb, sampled, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
+from moe_replay.engines.hf import hub as hub_module
 
 
 def generate(model, ids, mask, n=6, **kw):
@@ -209,3 +210,32 @@ def test_continuous_batching_is_refused_at_the_call(qwen):
     with record_routes(qwen), pytest.raises(UnsupportedGenerationError, match="continuous batching"):
         qwen.generate_batch([[1, 2, 3]])
     assert "generate_batch" not in qwen.__dict__  # the refusal is scoped to the context
+
+
+def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_again_after_it(qwen, monkeypatch):
+    """A recording alone reads a known router class's output (no call opened, no interception). A replay opened inside
+    it must turn that off for its forwards (else it would not be applied, with no error) and on again when it closes."""
+    opened = []
+    begin = hub_module.begin_call
+    monkeypatch.setattr(hub_module, "begin_call", lambda hub, i: opened.append(i) or begin(hub, i))
+    ids, mask = left_padded(3, 6, [0, 2, 1])
+    with record_routes(qwen) as rec:  # (the router class's facts are learned here)
+        qwen(ids, attention_mask=mask)
+    routes = rec.routes
+    perturb(qwen)
+    with replay_routes(qwen, routes):
+        replayed = qwen(ids, attention_mask=mask).logits
+    with record_routes(qwen) as fresh:
+        live = qwen(ids, attention_mask=mask).logits
+    assert not fresh.routes.equal(routes)  # the perturbation moves some experts: a replay has something to change
+    with record_routes(qwen) as outer:
+        qwen(ids, attention_mask=mask)
+        opened.clear()
+        with replay_routes(qwen, routes):
+            inside = qwen(ids, attention_mask=mask).logits
+        calls_inside, opened[:] = len(opened), []
+        after = qwen(ids, attention_mask=mask).logits
+    assert torch.equal(inside, replayed) and torch.equal(after, live)
+    assert calls_inside == 2 and opened == []  # a call per router under the replay, none after it
+    before_r, inside_r, after_r = outer.batches
+    assert before_r.equal(fresh.routes) and inside_r.equal(routes) and after_r.equal(fresh.routes)
