@@ -16,7 +16,6 @@ from .discover import RouterSite
 from .redirect import caller_code, redirectable
 from .selectors import TOPK_FUNCS, Selector, TopK, dispatch, topk_args
 from .steps import Step
-from .stream import take
 
 
 @dataclass(slots=True)
@@ -64,6 +63,7 @@ class RouterCall:
     intercepting: bool = False
     # (top-k function, caller code, whether it ranks each token's scores) seen by the mode, while learning
     topk_sites: list[tuple[Any, Any, bool]] | None = None
+    held: tuple[torch.Tensor, int | None] | None = None  # recorded from the router's output as it returned (`hold`)
 
     @property
     def active(self) -> bool:
@@ -89,8 +89,9 @@ class RouterCall:
             return selectors[0].run(torch.topk, args, kwargs)
         return dispatch(self, torch.topk, args, kwargs, _inside)  # a group top-k's selector first
 
-    def selected(self) -> tuple[torch.Tensor, bool]:
-        """(the experts the call selected, with last dim K; whether that tensor is the router's own top-k output)."""
+    def selected(self) -> tuple[torch.Tensor, torch.Tensor, int | None, bool]:
+        """What the call selected (`Selector.picked`): the experts, with last dim K; what a recorder holds of them and
+        their version when selected; whether they are the router's own top-k output."""
         for selector in self.selectors:
             found = selector.picked()
             if found is not None:
@@ -127,7 +128,7 @@ def not_applied(layer: str, router: torch.nn.Module, plan: Plan, tokens: int, se
 class Recorder(Protocol):
     def record_step(self, step: Step, taken: list[tuple[str, torch.Tensor, int | None, int]]) -> None:
         """`taken`: per router call of the step, (layer, the top-k's own tensor ([B*t, K] or [B, t, K]), still the
-        model's: copy what is kept, its version counter when the router returned it (None: a copy already), E)."""
+        model's: copy what is kept, its version counter when it was selected (None: a copy already), E)."""
 
     def on_generate(
         self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
@@ -199,11 +200,9 @@ def end_call(hub: Any, call: RouterCall) -> None:
     """
     i, router = call.index, call.site.router
     facts = hub.facts[i]
-    if call.plan is None and call.record and call.router_out is not None and not call.active:
-        j = facts.output_index.get(router.training)
-        if j is not None:  # recorded from the router's output
-            take(hub.taken, call.layer, outputs(call.router_out)[j], call.num_experts)
-            return
+    if call.held is not None:  # recorded from the router's output
+        hub.taken.append((call.layer, *call.held, call.num_experts))
+        return
     if not hub.router_only[i] and call.active:
         hub.router_only[i] = facts.topk_in_router = not call.outside_router
     if call.topk_sites and hub.router_only[i] and router.training not in facts.redirect:
@@ -213,9 +212,9 @@ def end_call(hub: Any, call: RouterCall) -> None:
     call.check_replayed()
     if not call.record:
         return
-    idx, own_output = call.selected()
+    idx, held, version, own_output = call.selected()
     if own_output and call.router_out is not None and router.training not in facts.output_index:
         facts.output_index[router.training] = next(
             (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
         )
-    take(hub.taken, call.layer, idx, call.num_experts)
+    hub.taken.append((call.layer, held, version, call.num_experts))

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ...errors import ReplayError
+from .stream import hold
 
 if TYPE_CHECKING:
     from .call import Plan, RouterCall
@@ -49,8 +50,10 @@ class Selector:
         """Whether the call selected experts through this selector."""
         return False
 
-    def picked(self) -> tuple[torch.Tensor, bool] | None:
-        """(indices with last dim K, whether that tensor is the router's own top-k output) or None."""
+    def picked(self) -> tuple[torch.Tensor, torch.Tensor, int | None, bool] | None:
+        """What the call selected, or None: (the indices, with last dim K; what a recorder holds of them and their
+        version when they were selected, as `stream.hold` gave them; whether the indices are the router's own top-k
+        output)."""
         return None
 
     def applied(self) -> bool:
@@ -77,7 +80,8 @@ class TopK(Selector):
 
     def __init__(self, call: RouterCall) -> None:
         self.call = call  # (Selector.__init__, inlined: one call fewer per router call)
-        self.seen: list[tuple[int, int, int, torch.Tensor]] = []  # (last dim, k, numel, indices)
+        # (last dim, k, numel, indices, `hold(indices)` as they were returned if the call is recorded)
+        self.seen: list[tuple[int, int, int, torch.Tensor, tuple[torch.Tensor, int | None] | None]] = []
         self.replaced = 0
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -89,7 +93,8 @@ class TopK(Selector):
         else:
             out = func(*args, **kwargs)
         if last and (call.record or plan is not None):
-            self.seen.append((x.shape[-1], k, x.numel(), out[1]))
+            idx = out[1]  # (held now: an edit after the top-k returned, even inside the router, is caught)
+            self.seen.append((x.shape[-1], k, x.numel(), idx, hold(idx) if call.record else None))
         return out
 
     def _observes(self) -> bool:
@@ -102,16 +107,19 @@ class TopK(Selector):
     def active(self) -> bool:
         return bool(self.seen)
 
-    def picked(self) -> tuple[torch.Tensor, bool] | None:
+    def picked(self) -> tuple[torch.Tensor, torch.Tensor, int | None, bool] | None:
         E, n = self.call.num_experts, self.call.step.tokens
         found = [s for s in self.seen if s[0] == E and s[2] == E * n]
-        return (found[-1][3], True) if found else None
+        if not found or found[-1][4] is None:
+            return None
+        held, version = found[-1][4]
+        return found[-1][3], held, version, True
 
     def applied(self) -> bool:
         return self.replaced >= 1
 
     def describe(self) -> str:
-        return topk_calls([(e, k) for e, k, _, _ in self.seen])
+        return topk_calls([(s[0], s[1]) for s in self.seen])
 
 
 class GroupTopK(Selector):

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from ...errors import UnsupportedModelError
 from .selectors import Selector
+from .stream import hold
 
 ROUTER_CLASSES = frozenset({"PhimoeTopKRouter"})
 MAX_FUNCS = frozenset({torch.max, torch.Tensor.max})
@@ -65,7 +67,7 @@ class SparsemixerPicks(Selector):
     def __init__(self, call: Any) -> None:
         super().__init__(call)
         self.counts = [0, 0]  # keepdim calls so far, other calls so far
-        self.picks: dict[int, torch.Tensor] = {}  # pick slot -> indices [N, 1]
+        self.picks: dict[int, tuple[torch.Tensor, int | None]] = {}  # pick slot -> `hold` of its indices
         self.replaced = 0
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -86,17 +88,25 @@ class SparsemixerPicks(Selector):
         else:
             out = func(*args, **kwargs)
         if call.record and is_pick:
-            self.picks[slot] = out[1].reshape(n, 1)
+            self.picks[slot] = hold(out[1])  # (as returned: an edit before they are copied is caught)
         return out
 
     @property
     def active(self) -> bool:
         return bool(self.picks) or self.replaced > 0
 
-    def picked(self) -> tuple[torch.Tensor, bool] | None:
+    def picked(self) -> tuple[torch.Tensor, torch.Tensor, int | None, bool] | None:
         if not self.picks:
             return None
-        return torch.cat([self.picks[j] for j in sorted(self.picks)], -1), False
+        n, picks = self.call.step.tokens, [self.picks[j] for j in sorted(self.picks)]
+        for j, (idx, version) in enumerate(picks):
+            if version is not None and idx._version != version:
+                raise UnsupportedModelError(
+                    f"router {self.call.layer!r}'s pick {j} was changed in place after its max returned it: the "
+                    "routes would not be the experts the model used"
+                )
+        picked = torch.cat([idx.reshape(n, 1) for idx, _ in picks], -1)  # (a copy)
+        return picked, picked, None, False
 
     def applied(self) -> bool:
         return self.call.plan is not None and self.replaced >= self.call.plan.top_k

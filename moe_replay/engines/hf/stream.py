@@ -17,8 +17,8 @@ from .steps import Step, extends_generation
 HOLD = 32  # decode steps held before their indices are copied (int64 [B, K] per layer each, as the routers made them)
 
 
-# One router call of a step, as the hub hands it over: (its layer name, its top-k indices as the router returned them,
-# their version counter then (None: an inference tensor, copied already), E). A plain tuple: one per router call.
+# One router call of a step, as the hub hands it over: (its layer name, its top-k indices as they were selected, their
+# version counter then (None: an inference tensor, copied already), E) (`hold`). A plain tuple: one per router call.
 Taken = tuple[str, torch.Tensor, int | None, int]
 
 
@@ -179,19 +179,16 @@ class Stream:
         return torch.cat(parts, 1), torch.cat(masks, 1)
 
 
-def take(taken: list[Taken], layer: str, indices: torch.Tensor, num_experts: int) -> None:
-    """Hold the top-k indices of router call `layer` in `taken` (as the router returned them) until its step's forward
-    returns, when the recorders take the whole step. Their version counter is read now, so that an edit in place before
-    they are copied is caught; an inference tensor, whose edits are not counted, is copied now.
+def hold(indices: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """What a recorder holds of a router call's top-k indices, taken as they are selected: the tensor itself and its
+    version counter now, so that an edit in place before they are copied is caught; for an inference tensor, whose
+    edits are not counted, a copy made now and None.
 
     Example:
-        >>> held = []
-        >>> take(held, "model.layers.0.mlp.gate", torch.tensor([[1, 3]]), 8)
-        >>> held[0][0], held[0][2]
-        ('model.layers.0.mlp.gate', 0)
+        >>> hold(torch.tensor([[1, 3]]))[1]
+        0
     """
-    try:  # (`autograd.version`, inlined: this runs once per recorded router call)
-        v = indices._version
+    try:  # (`autograd.version`, inlined)
+        return indices, indices._version
     except RuntimeError:  # "Inference tensors do not track version counter."
-        v, indices = None, indices.clone()
-    taken.append((layer, indices, v, num_experts))
+        return indices.clone(), None

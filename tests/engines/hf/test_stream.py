@@ -11,7 +11,7 @@ import torch
 from helpers import tiny_qwen3_moe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_replay import UnsupportedModelError, record_routes
+from moe_replay import UnsupportedModelError, record_routes, replay_routes
 from moe_replay.engines.hf import stream as stream_module
 from moe_replay.engines.hf.steps import Step
 from moe_replay.engines.hf.stream import Stream
@@ -187,3 +187,40 @@ def test_a_generate_read_between_its_steps_holds_every_step_that_ran():
     read, reader = run(steps_module.HAND_OVER, read=True)
     assert reader.seen[0] == [] and reader.seen[1:] == [[6 + k] for k in range(9)]
     assert plain.equal(each) and plain.equal(read) and plain.indices.shape[1] == 6 + 9
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["learning", "read_from_output"])
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_an_edit_of_the_returned_indices_is_refused_or_not_recorded(known, inference):
+    """The router's top-k indices are held as they are selected, in the model's first context (whose calls are
+    intercepted) as in later ones (read from the router's output). An edit in place after that (here by a forward hook,
+    before the MoE block uses them) is refused; under inference mode, whose tensors count no edits, the indices are
+    copied as they are selected, so the edit is not recorded and replaying the routes reproduces the edited forward
+    (the edit applies again to the replayed experts)."""
+    model = tiny_qwen3_moe()
+    ids = torch.randint(5, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+    gate = model.model.layers[2].mlp.gate  # (layer 1 is dense)
+    E = model.config.num_experts
+    mode = torch.inference_mode if inference else torch.no_grad
+    if known:  # the router class's output index is known: its calls are read from the output (hub.py)
+        with torch.no_grad(), record_routes(model):
+            model(ids)
+
+    def shift(module, inputs, out) -> None:  # noqa: ANN001
+        out[2].add_(1).remainder_(E)  # other experts than the router picked
+
+    hook = gate.register_forward_hook(shift)
+    try:
+        with mode(), record_routes(model) as rec:  # (the model's first context unless `known`)
+            edited = model(ids).logits
+        if not inference:
+            with pytest.raises(UnsupportedModelError, match="'model.layers.2.mlp.gate''s top-k indices were changed"):
+                rec.routes  # noqa: B018
+            return
+        with mode(), replay_routes(model, rec.routes):
+            assert torch.equal(model(ids).logits, edited)
+    finally:
+        hook.remove()
+    with mode(), record_routes(model) as plain:
+        model(ids)
+    assert rec.routes.equal(plain.routes)
