@@ -79,17 +79,11 @@ class RouterHub:
         self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`layer`)
         self._calls: list[RouterCall | None] = [None] * len(self.sites)
         self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
-        self.taken: list[Taken] = []  # recorded router calls of the running step (`take`)
+        self.taken: list[Taken] = []  # recorded router calls of the running step
         self.held: list[tuple[Step, list[Taken]]] = []  # steps that returned, not yet handed over (`step_wrapper`)
         self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
         self.generating = 0  # generate calls on the stack (generation.py)
         self.synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
-
-    def _look_up_facts(self) -> None:
-        """The facts about each router's class (a class patched since has none yet), and where to intercept."""
-        facts = facts_for(self.model, {type(s.router) for s in self.sites})
-        self.facts = [facts[type(s.router)] for s in self.sites]
-        self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copied model (its layout, with this hub kept in it) makes its own
@@ -167,7 +161,10 @@ class RouterHub:
             # (which also means no other hub's patch is on its modules, and no router's class, nor its forward, changed
             # since they were set: the facts the hub kept still hold)
             return
-        self._look_up_facts()
+        # the facts about each router's class (a class patched since has none yet), and where to intercept
+        facts = facts_for(self.model, {type(s.router) for s in self.sites})
+        self.facts = [facts[type(s.router)] for s in self.sites]
+        self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         wrapped = tuple(self.router_only)
         for site in self.sites:
             other = patched_by(site.router.__dict__.get("forward"))
@@ -258,8 +255,11 @@ class RouterHub:
             if is_router and not call.at_router:
                 call.at_router = True
                 at_router(self, call, args, kwargs)
-            j = self._fast_index(i) if call.plan is None and not call.recompute else None
-            fast = j is not None  # (recorded from the router's output)
+            # where in the router's output its top-k's indices are, if the call is recorded from that alone (facts.py)
+            j = None
+            if call.plan is None and not call.recompute and self.router_only[i]:
+                j = self.facts[i].output_index.get(router.training)
+            fast = j is not None
             intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
             redirected, ranked = None, 0
             if intercept and is_router:
@@ -318,8 +318,3 @@ class RouterHub:
         for step, taken in held:
             for rec in self.recorders:
                 rec.record_step(step, taken)
-
-    def _fast_index(self, i: int) -> int | None:
-        """Where in router `i`'s output its top-k's indices are, if its call can be recorded from that alone (see
-        `RouterFacts.output_index`)."""
-        return self.facts[i].output_index.get(self.sites[i].router.training) if self.router_only[i] else None

@@ -66,19 +66,20 @@ class RouteRecorder:
             # to stay in step with the others: they are not part of out.sequences.
             dummy = next((s for s in stream.steps[1:] if s.start >= stream.final_len - 1), None)
             stream.end = None if dummy is None else dummy.start
-            prompt = stream.steps[0].length
-            ended = torch.zeros(sequences.shape, dtype=torch.bool, device=sequences.device)
-            if eos:
-                is_eos = torch.isin(sequences[:, prompt:], torch.tensor(eos, device=sequences.device))
-                ended[:, prompt:] = (
-                    is_eos.cumsum(1) > 0
-                )  # the EOS token itself is fed only as padding for finished rows
+            prompt, keep = stream.steps[0].length, []
+            if eos:  # not at or after a row's EOS (the EOS token itself is fed only as padding for finished rows)
+                generated = sequences[:, prompt:]
+                if len(eos) == 1:
+                    hit = generated == eos[0]
+                else:
+                    hit = torch.isin(generated, torch.tensor(eos, device=sequences.device))
+                keep.append((prompt, hit.cumsum(1) == 0))
             if prompt_mask is not None and prompt_mask.dim() == 2 and prompt_mask.shape[1] == prompt:
                 rows = sequences.shape[0] // prompt_mask.shape[0]  # num_return_sequences repeats each prompt
                 if rows * prompt_mask.shape[0] == sequences.shape[0]:
-                    pad = prompt_mask.to(sequences.device).repeat_interleave(rows, 0) == 0
-                    ended[:, :prompt] |= pad
-            stream.ended = ended
+                    real = prompt_mask != 0
+                    keep.append((0, real if rows == 1 else real.repeat_interleave(rows, 0)))
+            stream.keep = keep
 
     # ---- results -------------------------------------------------------------------------------------------------
     @property
@@ -103,8 +104,11 @@ class RouteRecorder:
         layers = tuple(LayerInfo(name, E, indices.shape[-1]) for name, E in self._experts.items())
         indices = indices.to(index_dtype(max(self._experts.values())))
         mask = mask.to(indices.device)
-        if stream.ended is not None:
-            mask &= ~stream.ended.to(mask.device)[:, : mask.shape[1]]
+        for start, kept in stream.keep:  # (a few ops: this runs per generate)
+            part = mask[:, start : start + kept.shape[1]]
+            if part.shape[1] != kept.shape[1]:
+                kept = kept[:, : part.shape[1]]
+            part &= kept if kept.device == part.device else kept.to(part.device)
         return Routes._trusted(indices, mask, layers)
 
 

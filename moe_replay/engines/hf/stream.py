@@ -50,7 +50,8 @@ class Stream:
     tail: tuple[int, int, torch.Tensor | None, torch.device] | None = None
     final_len: int | None = None
     end: int | None = None  # positions kept (generate(synced_gpus=True) drops the dummy steps past the output)
-    ended: torch.Tensor | None = None  # bool [B, T_total]: prompt padding, or at/after a row's EOS (generate)
+    # (first column, bool [B, n]: False at the prompt's padding, or at and after a row's EOS) per mask generate left
+    keep: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def take(
         self, step: Step, names: tuple[str, ...], indices: tuple[torch.Tensor, ...], versions: tuple[int | None, ...],

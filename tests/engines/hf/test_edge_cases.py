@@ -69,10 +69,10 @@ def test_generate_modes_that_cannot_be_followed(qwen, kwargs, match):
         qwen.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD)
 
 
-def test_rows_end_at_their_eos_token():
+@pytest.mark.parametrize("eos", [7, [11, 7]], ids=["one_eos", "two_eos"])
+def test_rows_end_at_their_eos_token(eos):
     model = tiny_qwen3_moe(seed=4)
     ids, mask = left_padded(6, 4, [0, 1, 0, 2, 0, 0], seed=4)
-    eos = 7
     with torch.no_grad():  # make EOS likely so some rows stop early
         model.lm_head.weight[eos] += 0.3
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def test_rows_end_at_their_eos_token():
     seq = out.sequences
     finished = 0
     for b in range(seq.shape[0]):
-        hits = (seq[b, 4:] == eos).nonzero()
+        hits = torch.isin(seq[b, 4:], torch.tensor(eos)).nonzero()
         end = 4 + int(hits[0]) if len(hits) else seq.shape[1] - 1
         finished += bool(len(hits)) and end < seq.shape[1] - 1
         # recorded: real prompt tokens and generated tokens before the row's last sampled one (its EOS)
