@@ -1,9 +1,9 @@
 """Record and replay router choices on Hugging Face transformers MoE models.
 
-Layout: `discover` finds the routers; `hub` holds the hooks of one model (`patch`) and runs each router call
-(`call`), whose experts are picked by the router's `selectors` (`sparsemixer` for PhiMoE); `facts` keeps what was
-learned about router classes; `steps` and `generation` place each forward's tokens; `record` and `replay` are the
-contexts.
+Layout: `discover` finds the routers; `hub` holds the hooks of one model (`patch`), and its routers' `wrapper` runs
+each router call (`call`), whose experts are picked by the router's `selectors` (`sparsemixer` for PhiMoE); `facts`
+keeps what was learned about router classes; `steps` and `generation` place each forward's tokens; `record` and
+`replay` are the contexts.
 """
 
 from ...errors import ReplayError, UnsupportedGenerationError, UnsupportedModelError

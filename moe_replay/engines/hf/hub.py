@@ -1,4 +1,5 @@
-"""The hooks on one model, shared by every active record/replay context on it, and the router-call lifecycle.
+"""The hooks on one model, shared by every active record/replay context on it, and the state its router calls read
+(their wrapper is wrapper.py).
 
 Each outermost forward of the model is a `Step` (which positions it covers). Each router call opens a `RouterCall`
 (call.py) in whichever of the router and its MoE block runs first: it gets its layer name, the plan its replayer
@@ -17,26 +18,23 @@ hub.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import Any
 
-import torch
 from torch import nn
 
 from ...errors import NestedContextError
-from .call import InterceptMode, Recorder, Replayer, RouterCall, begin_call, end_call, num_scores, outputs
+from .call import Recorder, Replayer, RouterCall
 from .discover import RouterSite
 from .facts import RouterFacts, facts_for, signature_cache
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
-from .lane import lane_ready, run_lane
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
-from .recompute import RecomputeQueue, at_router
-from .redirect import Redirects, run_redirected
+from .recompute import RecomputeQueue
+from .redirect import Redirects
 from .selectors import selectors_for
 from .steps import Step, StepTracker, step_wrapper
-from .stream import Taken, hold
+from .stream import Taken
+from .wrapper import router_wrapper
 
 
 class RouterHub:
@@ -49,7 +47,7 @@ class RouterHub:
         self.selectors = [selectors_for(s.router) for s in self.sites]
         self._tracked: list[nn.Module] = list(layout.tracked)
         self._signatures = signature_cache(model)  # kept on the model across hubs (steps.py)
-        self._redirects = Redirects()  # routers whose own torch.topk alone is intercepted
+        self.redirects = Redirects()  # routers whose own torch.topk alone is intercepted
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)
         self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
@@ -63,7 +61,7 @@ class RouterHub:
         # per router, while the open contexts only record and its MoE block runs unwrapped: its class's
         # `output_index` (facts.py), through which a call is recorded from the router's output alone; else None.
         # Mutated in place (the routers' wrappers hold the list), set by `_record_from_outputs`
-        self._record_from: list[dict[bool, int | None] | None] = [None] * len(self.sites)
+        self.record_from: list[dict[bool, int | None] | None] = [None] * len(self.sites)
         self._reading = False  # whether `_record_from` is set
         self._reset()
 
@@ -75,10 +73,10 @@ class RouterHub:
         self._record_from_outputs(False)
         if self.queued:  # (each context drops its calls as it closes: made afresh all the same)
             self.pending, self.queued = [RecomputeQueue(s.name) for s in self.sites], False
-        self._occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
+        self.occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
         self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`layer`)
-        self._calls: list[RouterCall | None] = [None] * len(self.sites)
-        self._in_router = [0] * len(self.sites)  # router forwards on the stack, per router
+        self.calls: list[RouterCall | None] = [None] * len(self.sites)
+        self.in_router = [0] * len(self.sites)  # router forwards on the stack, per router
         self.taken: list[Taken] = []  # recorded router calls of the running step
         self.held: list[tuple[Step, list[Taken]]] = []  # steps that returned, not yet handed over (`step_wrapper`)
         self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
@@ -143,7 +141,7 @@ class RouterHub:
         contexts only record), or not."""
         if on == self._reading:
             return  # (the patches, and so which blocks are wrapped, do not change while a context is open)
-        self._reading, table, unwrapped = on, self._record_from, self._installed
+        self._reading, table, unwrapped = on, self.record_from, self._installed
         for i, facts in enumerate(self.facts):
             table[i] = facts.output_index if on and unwrapped and unwrapped[i] else None
 
@@ -185,127 +183,15 @@ class RouterHub:
                     patch(module, name, partial(refuse_packed, name))
         for i, site in enumerate(self.sites):
             if not self.router_only[i]:  # a router class known to select inside itself needs no block wrapper
-                patch(site.scope, "forward", lambda inner, i=i: self._scope_wrapper(i, inner, None))
-            patch(site.router, "forward", lambda inner, i=i, s=site: self._scope_wrapper(i, inner, s.logits_index))
+                patch(site.scope, "forward", lambda inner, i=i: router_wrapper(self, i, inner, None))
+            patch(site.router, "forward", lambda inner, i=i, s=site: router_wrapper(self, i, inner, s.logits_index))
         self._installed = wrapped
-
-    # ---- wrappers ------------------------------------------------------------------------------------------
-    def _scope_wrapper(self, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
-        """Open router call `i` in whichever of the router and its MoE block runs first, and intercept its calls.
-
-        Both are wrapped until the router class is known: DBRX takes the top-k in the block, outside the router;
-        JetMoE's attention experts call the router from a method other than the block's forward. The first call
-        intercepts in the whole block; when every top-k it saw ran inside the router, later calls intercept in the
-        router alone (cheaper: the experts' ops then skip the Python-level TorchFunctionMode), and later contexts on
-        the model wrap the router alone. A router whose only top-k is a `torch.topk` in its own forward then runs a
-        redirected copy of that forward instead of the mode (redirect.py); so does a group-limited router whose top-k
-        calls over each token's scores are all `torch.topk` calls there."""
-        is_router = logits_index is not None
-        router, name = self.sites[i].router, self.sites[i].name
-        graph_task = torch._C._current_graph_task_id  # -1 outside a backward (`in_backward`, inlined below)
-        own_copy = self._redirects.forward(router, inner) if is_router else None  # its forward, top-k redirected
-        # (a block wrapper's router never reads its output alone: its entry stays None, but the block's is never read)
-        record_from = self._record_from if is_router else [None] * len(self.sites)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            index = record_from[i]
-            if index is not None:  # a recording alone, of a router class whose output holds its top-k's indices
-                j = index.get(router.training)
-                step = self.tracker.current
-                if j is not None and step is not None and graph_task() == -1:
-                    # read from the router's output: no call state, no interception (`layer`'s first run in a step,
-                    # inlined: this runs per router call and step)
-                    out = inner(*args, **kwargs)
-                    found = out if type(out) is tuple else outputs(out)
-                    if self._occurrence[i] is step:
-                        layer = self.layer(i, step)
-                    else:
-                        layer, self._occurrence[i] = name, step
-                    indices = found[j]  # (`stream.take`, inlined: B/A 0.998 against a copy calling it, 300 rounds)
-                    try:
-                        version = indices._version
-                    except RuntimeError:  # an inference tensor, whose edits are not counted: copied now
-                        version, indices = None, indices.clone()
-                    self.taken.append((layer, indices, version, found[logits_index].shape[-1]))
-                    return out
-            call = self._calls[i]
-            if call is None and is_router:
-                step = self.tracker.current
-                if (  # (the hooks are set only while a context is open: no recorder means a replayer)
-                    own_copy is not None
-                    and not self.recorders
-                    and step is not None
-                    and self.router_only[i]
-                    and self.facts[i].redirect.get(router.training, 0) == 1
-                    and graph_task() == -1
-                    and (step is self.lane_step or lane_ready(self, step))
-                ):  # a replay alone, of a redirected router: lane.py (`layer`'s first run in a step, inlined)
-                    if self._occurrence[i] is step:
-                        layer = self.layer(i, step)
-                    else:
-                        layer, self._occurrence[i] = name, step
-                    plan = self.replayers[-1].plan(layer, step)
-                    if plan is None:  # a dummy forward past the routes: routed live
-                        return inner(*args, **kwargs)
-                    tokens = step.batch * step.length  # (`step.tokens`, a property: a frame per call)
-                    return run_lane(own_copy, router, layer, plan, tokens, logits_index, args, kwargs)
-            opened = call is None
-            if opened:
-                call = self._calls[i] = begin_call(self, i)
-            if is_router and not call.at_router:
-                call.at_router = True
-                at_router(self, call, args, kwargs)
-            # where in the router's output its top-k's indices are, if the call is recorded from that alone (facts.py)
-            j = None
-            if call.plan is None and not call.recompute and self.router_only[i]:
-                j = self.facts[i].output_index.get(router.training)
-            fast = j is not None
-            intercept = not fast and not call.intercepting and (is_router or not self.router_only[i])
-            redirected, ranked = None, 0
-            if intercept and is_router:
-                ranked = self.facts[i].redirect.get(router.training, 0)
-                if ranked:
-                    redirected = own_copy
-            if intercept and not call.selectors:  # made only for a call that intercepts (not a fast recording)
-                makers = self.selectors[i]  # a redirected router's one top-k goes to the plain one, the last
-                one = redirected is not None and ranked == 1
-                call.selectors = [makers[-1](call)] if one else [make(call) for make in makers]
-            self._in_router[i] += is_router
-            try:
-                if redirected is not None:  # only the router's own torch.topk is intercepted
-                    call.intercepting = True
-                    out = run_redirected(redirected, call.redirected_topk, router, args, kwargs)
-                elif intercept:
-                    call.intercepting = True
-                    with InterceptMode(call, lambda: self._in_router[i] > 0):
-                        out = inner(*args, **kwargs)
-                else:
-                    out = inner(*args, **kwargs)
-                if is_router:
-                    call.num_experts = num_scores(out, logits_index)
-                    call.router_out = out
-                    if fast and call.record:  # held as the router returns them (an edit after it is caught)
-                        call.held = hold(outputs(out)[j])
-            finally:
-                self._in_router[i] -= is_router
-                if intercept:
-                    call.intercepting = False
-                if opened:
-                    self._calls[i] = None
-            if opened:
-                try:
-                    end_call(self, call)
-                finally:  # its selectors point back at the call: unlinked, both are freed now, not by the collector
-                    call.selectors = []
-            return out
-
-        return forward
 
     # ---- one router call -----------------------------------------------------------------------------------
     def layer(self, i: int, step: Step) -> str:
         """Router `i`'s layer name in `step` (run again in the same forward, by looped layers, it is another layer)."""
-        if self._occurrence[i] is not step:
-            self._occurrence[i] = step
+        if self.occurrence[i] is not step:
+            self.occurrence[i] = step
             return self.sites[i].name
         last, n = self._repeats[i]
         n = n + 1 if last is step else 1

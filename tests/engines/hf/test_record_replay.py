@@ -7,7 +7,7 @@ import torch
 from helpers import PAD, extend_mask, left_padded, perturb, sampled, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
-from moe_replay.engines.hf import hub as hub_module
+from moe_replay.engines.hf import wrapper as wrapper_module
 
 
 def generate(model, ids, mask, n=6, **kw):
@@ -216,8 +216,8 @@ def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_
     """A recording alone reads a known router class's output (no call opened, no interception). A replay opened inside
     it must turn that off for its forwards (else it would not be applied, with no error) and on again when it closes."""
     opened = []
-    begin = hub_module.begin_call
-    monkeypatch.setattr(hub_module, "begin_call", lambda hub, i: opened.append(i) or begin(hub, i))
+    begin = wrapper_module.begin_call
+    monkeypatch.setattr(wrapper_module, "begin_call", lambda hub, i: opened.append(i) or begin(hub, i))
     ids, mask = left_padded(3, 6, [0, 2, 1])
     with record_routes(qwen) as rec:  # (the router class's facts are learned here)
         qwen(ids, attention_mask=mask)
