@@ -224,3 +224,22 @@ def test_an_edit_of_the_returned_indices_is_refused_or_not_recorded(known, infer
     with mode(), record_routes(model) as plain:
         model(ids)
     assert rec.routes.equal(plain.routes)
+
+
+def test_a_phimoe_pick_edited_after_its_max_returned_is_refused():
+    """PhiMoE picks its experts by per-token max calls (sparsemixer.py): each pick is held as the max returned it and
+    joined when the call closes, so an edit in place between is refused, naming the router and the pick."""
+    from types import SimpleNamespace
+
+    from moe_replay.engines.hf.sparsemixer import SparsemixerPicks
+    from moe_replay.engines.hf.stream import hold
+
+    call = SimpleNamespace(step=SimpleNamespace(tokens=3), layer="model.layers.0.block_sparse_moe.gate")
+    picks = SparsemixerPicks(call)
+    first, second = torch.tensor([1, 2, 3]), torch.tensor([[0], [1], [2]])
+    picks.picks = {0: hold(first), 1: hold(second)}
+    joined, held, version, own = picks.picked()
+    assert joined.tolist() == [[1, 0], [2, 1], [3, 2]] and held is joined and version is None and not own
+    second.add_(1)
+    with pytest.raises(UnsupportedModelError, match="'model.layers.0.block_sparse_moe.gate''s pick 1 was changed"):
+        picks.picked()
