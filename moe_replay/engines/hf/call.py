@@ -214,7 +214,10 @@ def end_call(hub: Any, call: RouterCall) -> None:
         return
     idx, held, version, own_output = call.selected()
     if own_output and call.router_out is not None and router.training not in facts.output_index:
+        # later calls read the router's output only if it held what the top-k selected (a class that edits them in
+        # place before returning them is always intercepted, and the edit refused when they are copied)
+        kept = idx._version == version if version is not None else torch.equal(held, idx)  # (once per class)
         facts.output_index[router.training] = next(
-            (j for j, o in enumerate(outputs(call.router_out)) if o is idx), None
+            (j for j, o in enumerate(outputs(call.router_out)) if o is idx and kept), None
         )
     hub.taken.append((call.layer, held, version, call.num_experts))

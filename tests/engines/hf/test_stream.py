@@ -243,3 +243,33 @@ def test_a_phimoe_pick_edited_after_its_max_returned_is_refused():
     second.add_(1)
     with pytest.raises(UnsupportedModelError, match="'model.layers.0.block_sparse_moe.gate''s pick 1 was changed"):
         picks.picked()
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_a_router_class_that_edits_its_indices_before_returning_them_is_never_read_from_its_output(inference):
+    """A router class whose forward edits its top-k's indices in place before returning them: what it returns is not
+    what the top-k selected, so its calls are never recorded from its output (where the edit would be recorded, with
+    no error), in its first context or any later one. Under `no_grad` the edit is refused when the indices are copied;
+    under inference mode the selection is recorded, and replaying it reproduces the edited forward."""
+    model = tiny_qwen3_moe()
+    ids = torch.randint(5, 60, (2, 6), generator=torch.Generator().manual_seed(0))
+    gate = model.model.layers[2].mlp.gate  # (layer 1 is dense)
+    E = model.config.num_experts
+
+    class Shifting(type(gate)):
+        def forward(self, hidden_states: torch.Tensor) -> tuple:
+            out = super().forward(hidden_states)
+            out[2].add_(1).remainder_(E)  # other experts than its top-k picked
+            return out
+
+    gate.__class__ = Shifting
+    mode = torch.inference_mode if inference else torch.no_grad
+    for _ in range(2):  # the first context learns the class; the second would read its output
+        with mode(), record_routes(model) as rec:
+            edited = model(ids).logits
+        if not inference:
+            with pytest.raises(UnsupportedModelError, match="'model.layers.2.mlp.gate''s top-k indices were changed"):
+                rec.routes  # noqa: B018
+            continue
+        with mode(), replay_routes(model, rec.routes):
+            assert torch.equal(model(ids).logits, edited)
