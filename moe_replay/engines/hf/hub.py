@@ -62,7 +62,7 @@ class RouterHub:
         # `output_index` (facts.py), through which a call is recorded from the router's output alone; else None.
         # Mutated in place (the routers' wrappers hold the list), set by `_record_from_outputs`
         self.record_from: list[dict[bool, int | None] | None] = [None] * len(self.sites)
-        self._reading = False  # whether `_record_from` is set
+        self._reading = False  # whether `record_from` is set
         self._reset()
 
     def _reset(self) -> None:

@@ -12,6 +12,7 @@ from helpers import tiny_qwen3_moe
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_replay import UnsupportedModelError, record_routes, replay_routes
+from moe_replay.engines.hf import RouteRecorder
 from moe_replay.engines.hf import stream as stream_module
 from moe_replay.engines.hf.steps import Step
 from moe_replay.engines.hf.stream import Stream
@@ -128,10 +129,31 @@ def test_a_decode_step_adds_no_tensor_op_and_a_generate_records_what_its_steps_r
     assert stepwise[0].equal(stepwise[1]) and stepwise[1].equal(routes[2])
 
 
-def test_a_forward_that_raised_records_nothing_and_an_edit_after_the_router_returned_is_refused():
+def model_ids_gate() -> tuple[torch.nn.Module, torch.Tensor, torch.nn.Module]:
+    """A tiny Qwen3-MoE, a batch of ids for it, and the router of its layer 2 (layer 1 is dense)."""
     model = tiny_qwen3_moe()
     ids = torch.randint(5, 60, (2, 6), generator=torch.Generator().manual_seed(0))
-    gate = model.model.layers[2].mlp.gate  # (layer 1 is dense)
+    return model, ids, model.model.layers[2].mlp.gate
+
+
+def refused_or_reproduced(
+    model: torch.nn.Module, ids: torch.Tensor, rec: RouteRecorder, edited: torch.Tensor, inference: bool
+) -> bool:
+    """For routes recorded over indices edited in place after their top-k selected them: under `no_grad` they are
+    refused, naming the router; under inference mode (no edit is counted) the selection was recorded, so replaying
+    it reproduces the edited forward (the edit applies again to the replayed experts). Returns whether they were
+    refused."""
+    if not inference:
+        with pytest.raises(UnsupportedModelError, match="'model.layers.2.mlp.gate''s top-k indices were changed"):
+            rec.routes  # noqa: B018
+        return True
+    with torch.inference_mode(), replay_routes(model, rec.routes):
+        assert torch.equal(model(ids).logits, edited)
+    return False
+
+
+def test_a_forward_that_raised_records_nothing_and_an_edit_after_the_router_returned_is_refused():
+    model, ids, gate = model_ids_gate()
 
     def boom(module, inputs, out) -> None:  # noqa: ANN001
         raise RuntimeError("boom")
@@ -197,9 +219,7 @@ def test_an_edit_of_the_returned_indices_is_refused_or_not_recorded(known, infer
     before the MoE block uses them) is refused; under inference mode, whose tensors count no edits, the indices are
     copied as they are selected, so the edit is not recorded and replaying the routes reproduces the edited forward
     (the edit applies again to the replayed experts)."""
-    model = tiny_qwen3_moe()
-    ids = torch.randint(5, 60, (2, 6), generator=torch.Generator().manual_seed(0))
-    gate = model.model.layers[2].mlp.gate  # (layer 1 is dense)
+    model, ids, gate = model_ids_gate()
     E = model.config.num_experts
     mode = torch.inference_mode if inference else torch.no_grad
     if known:  # the router class's output index is known: its calls are read from the output (hub.py)
@@ -213,12 +233,8 @@ def test_an_edit_of_the_returned_indices_is_refused_or_not_recorded(known, infer
     try:
         with mode(), record_routes(model) as rec:  # (the model's first context unless `known`)
             edited = model(ids).logits
-        if not inference:
-            with pytest.raises(UnsupportedModelError, match="'model.layers.2.mlp.gate''s top-k indices were changed"):
-                rec.routes  # noqa: B018
+        if refused_or_reproduced(model, ids, rec, edited, inference):
             return
-        with mode(), replay_routes(model, rec.routes):
-            assert torch.equal(model(ids).logits, edited)
     finally:
         hook.remove()
     with mode(), record_routes(model) as plain:
@@ -251,9 +267,7 @@ def test_a_router_class_that_edits_its_indices_before_returning_them_is_never_re
     what the top-k selected, so its calls are never recorded from its output (where the edit would be recorded, with
     no error), in its first context or any later one. Under `no_grad` the edit is refused when the indices are copied;
     under inference mode the selection is recorded, and replaying it reproduces the edited forward."""
-    model = tiny_qwen3_moe()
-    ids = torch.randint(5, 60, (2, 6), generator=torch.Generator().manual_seed(0))
-    gate = model.model.layers[2].mlp.gate  # (layer 1 is dense)
+    model, ids, gate = model_ids_gate()
     E = model.config.num_experts
 
     class Shifting(type(gate)):
@@ -267,9 +281,4 @@ def test_a_router_class_that_edits_its_indices_before_returning_them_is_never_re
     for _ in range(2):  # the first context learns the class; the second would read its output
         with mode(), record_routes(model) as rec:
             edited = model(ids).logits
-        if not inference:
-            with pytest.raises(UnsupportedModelError, match="'model.layers.2.mlp.gate''s top-k indices were changed"):
-                rec.routes  # noqa: B018
-            continue
-        with mode(), replay_routes(model, rec.routes):
-            assert torch.equal(model(ids).logits, edited)
+        refused_or_reproduced(model, ids, rec, edited, inference)
