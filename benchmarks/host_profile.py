@@ -74,6 +74,8 @@ def shares(raw: Path, innermost: bool = False) -> tuple[collections.Counter, col
     own: collections.Counter = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        if not count.isdigit():  # a line py-spy left unfinished as the process ended
+            continue
         frames, n = stack.split(";"), int(count)
         names = {f.partition(" (")[0].rpartition(".")[2] for f in frames}  # (`loop.<locals>.ours` -> `ours`)
         kind = "ours" if "ours" in names else "plain" if "plain" in names else None
