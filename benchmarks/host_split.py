@@ -16,6 +16,8 @@ use. Variants, from the least work to the most:
   recorder skipped                 the code as it is, the recorder's work skipped (taking the steps, the masks of
                                    `generate`, building the routes)
   routes not built                 the code as it is, without building the routes at the end
+  as it is, patched alike          the code as it is, its wrappers and the recorder's methods set again as they are
+                                   through the same patching as the rows above (what the patching itself costs)
   as it is                         the code as it is
 Every row prints its ratio to the plain generate (the paired median of host_cost.py: CPU time of the main thread,
 one torch thread, paired within a round) and to "as it is", next to an A/A row of the plain work. The order is random
@@ -85,11 +87,15 @@ def swapped(hub: Any, make: Callable[[Any, Callable[..., Any]], Callable[..., An
 
 
 @contextmanager
-def recorder_without(*names: str) -> Iterator[None]:
-    """`RouteRecorder`'s methods `names` as no-ops (and `routes` as None) while open."""
+def recorder_without(*names: str, alike: bool = False) -> Iterator[None]:
+    """`RouteRecorder`'s methods `names` as no-ops (and `routes` as None) while open (`alike`: set again as they are,
+    the control of what this patching costs)."""
     saved = {n: RouteRecorder.__dict__[n] for n in names}
     for n in names:
-        setattr(RouteRecorder, n, property(lambda self: None) if n == "routes" else (lambda self, *a: None))
+        if alike:
+            setattr(RouteRecorder, n, saved[n])
+        else:
+            setattr(RouteRecorder, n, property(lambda self: None) if n == "routes" else (lambda self, *a: None))
     try:
         yield
     finally:
@@ -112,9 +118,12 @@ def variants(hub: Any) -> dict[str, Callable[[], AbstractContextManager]]:
         i = routers.get(id(e.module))
         return None if i is None else appending(hub, i, inner)
 
+    def alike(e: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
+        return e.value
+
     @contextmanager
-    def both(make: Callable[..., Any], *names: str) -> Iterator[None]:
-        with swapped(hub, make), recorder_without(*names):
+    def both(make: Callable[..., Any], *names: str, alike: bool = False) -> Iterator[None]:
+        with swapped(hub, make), recorder_without(*names, alike=alike):
             yield
 
     return {
@@ -123,6 +132,7 @@ def variants(hub: Any) -> dict[str, Callable[[], AbstractContextManager]]:
         "minimal routers": lambda: both(minimal),
         "recorder skipped": lambda: recorder_without(*skip),
         "routes not built": lambda: recorder_without("routes"),
+        "as it is, patched alike": lambda: both(alike, *skip, alike=True),
         "as it is": nullcontext,
     }
 
