@@ -74,7 +74,7 @@ def shares(raw: Path, innermost: bool = False) -> tuple[collections.Counter, col
     own: collections.Counter = collections.Counter()
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not count.isdigit():  # a line py-spy left unfinished as the process ended
+        if not count.isdigit():  # a line without a count (py-spy cuts its last off as the process ends)
             continue
         frames, n = stack.split(";"), int(count)
         names = {f.partition(" (")[0].rpartition(".")[2] for f in frames}  # (`loop.<locals>.ours` -> `ours`)
