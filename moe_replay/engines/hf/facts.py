@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .patch import patched_by
+
 ATTR = "_moe_replay_router_facts"
 SIGNATURES = "_moe_replay_forward_signatures"
 
@@ -68,6 +70,30 @@ def facts_for(model: nn.Module, classes: Iterable[type]) -> dict[type, RouterFac
         if found is None or found.forward is not forward:
             facts[cls] = RouterFacts(forward=forward)
     return facts
+
+
+def runs_class_methods(router: nn.Module) -> bool:
+    """Whether `router` runs its class's own methods, on which its class's facts were learned: nothing set on the
+    instance shadows one, except a hub's wrapper of the class's own `forward`. A forward or a helper method replaced
+    on one router (a routing patch, an expert remap, another library's hook) may return other indices than its
+    top-k selected, so its output is not read for them.
+
+    Example:
+        >>> runs_class_methods(nn.Linear(2, 2))
+        True
+    """
+    cls = type(router)
+    for name, value in router.__dict__.items():
+        if name == "forward":
+            inner = getattr(value, "__wrapped__", None)  # (a hub's wrapper of the forward that was there)
+            if patched_by(value) is None or getattr(inner, "__func__", None) is not getattr(cls, "forward", None):
+                return False
+            if getattr(inner, "__self__", None) is not router:
+                return False
+        elif not name.startswith("__") and callable(value) and not isinstance(value, nn.Module):
+            if getattr(cls, name, None) is not None:
+                return False
+    return True
 
 
 def signature_cache(model: nn.Module) -> dict:

@@ -25,7 +25,7 @@ from torch import nn
 from ...errors import NestedContextError
 from .call import Recorder, Replayer, RouterCall
 from .discover import RouterSite
-from .facts import RouterFacts, facts_for, signature_cache
+from .facts import RouterFacts, facts_for, runs_class_methods, signature_cache
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
@@ -77,6 +77,7 @@ class RouterHub:
         self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`layer`)
         self.calls: list[RouterCall | None] = [None] * len(self.sites)
         self.in_router = [0] * len(self.sites)  # router forwards on the stack, per router
+        self.own_methods: list[bool | None] = [None] * len(self.sites)  # `reads_output`, once asked
         self.taken: list[Taken] = []  # recorded router calls of the running step
         self.held: list[tuple[Step, list[Taken]]] = []  # steps that returned, not yet handed over (`step_wrapper`)
         self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
@@ -143,7 +144,16 @@ class RouterHub:
             return  # (the patches, and so which blocks are wrapped, do not change while a context is open)
         self._reading, table, unwrapped = on, self.record_from, self._installed
         for i, facts in enumerate(self.facts):
-            table[i] = facts.output_index if on and unwrapped and unwrapped[i] else None
+            table[i] = facts.output_index if on and unwrapped and unwrapped[i] and self.reads_output(i) else None
+
+    def reads_output(self, i: int) -> bool:
+        """Whether router `i` runs its class's own methods, whose facts say where its output holds its top-k's
+        indices (facts.py): a router running others is never read from its output (asked once per stretch of open
+        contexts)."""
+        own = self.own_methods[i]
+        if own is None:
+            own = self.own_methods[i] = runs_class_methods(self.sites[i].router)
+        return own
 
     def pending_for(self, handler: Replayer) -> int:
         """Replayed router calls still waiting for their recompute in the backward."""

@@ -89,7 +89,7 @@ def router_wrapper(hub: Any, i: int, inner: Callable[..., Any], logits_index: in
             at_router(hub, call, args, kwargs)
         # where in the router's output its top-k's indices are, if the call is recorded from that alone (facts.py)
         j = None
-        if call.plan is None and not call.recompute and hub.router_only[i]:
+        if call.plan is None and not call.recompute and hub.router_only[i] and hub.reads_output(i):
             j = hub.facts[i].output_index.get(router.training)
         fast = j is not None
         intercept = not fast and not call.intercepting and (is_router or not hub.router_only[i])

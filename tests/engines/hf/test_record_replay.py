@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from helpers import PAD, extend_mask, left_padded, perturb, sampled, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
 from moe_replay.engines.hf import wrapper as wrapper_module
+from moe_replay.engines.hf.facts import runs_class_methods
 
 
 def generate(model, ids, mask, n=6, **kw):
@@ -239,3 +242,42 @@ def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_
     assert calls_inside == 2 and opened == []  # a call per router under the replay, none after it
     before_r, inside_r, after_r = outer.batches
     assert before_r.equal(fresh.routes) and inside_r.equal(routes) and after_r.equal(fresh.routes)
+
+
+def test_a_router_whose_forward_is_replaced_between_contexts_is_not_read_from_its_output(qwen):
+    """The class's facts say its output holds its top-k's indices; a forward replaced on the router instances after
+    they were learned (here one that remaps the expert ids it returns, out of place) must have its top-k recorded,
+    not its output: replaying the remapped ids would remap them again, with no error."""
+    ids, mask = left_padded(2, 6, [0, 2])
+    with torch.no_grad(), record_routes(qwen):
+        qwen(ids, attention_mask=mask)  # (the router class's facts are learned here, on the class's forward)
+    perm = torch.roll(torch.arange(qwen.config.num_experts), 1)
+    gates = [m for m in qwen.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
+    forward = type(gates[0]).forward
+
+    def remapped(self, hidden):
+        logits, scores, idx = forward(self, hidden)
+        return logits, scores, perm[idx]
+
+    for gate in gates:
+        gate.forward = types.MethodType(remapped, gate)
+    with torch.no_grad(), record_routes(qwen) as rec:
+        recorded = qwen(ids, attention_mask=mask).logits
+    with torch.no_grad(), replay_routes(qwen, rec.routes):
+        replayed = qwen(ids, attention_mask=mask).logits
+    assert torch.equal(replayed, recorded)
+
+
+def test_a_router_with_a_method_set_on_it_does_not_run_its_class_methods():
+    """`runs_class_methods`: a helper replaced on the instance is another method than the class's facts were learned
+    on; a plain callable attribute that shadows nothing, or a submodule, is not."""
+
+    class Router(torch.nn.Module):
+        def rank(self, x):
+            return x.topk(2)
+
+    router = Router()
+    router.act, router.proj = torch.sigmoid, torch.nn.Linear(2, 2)
+    assert runs_class_methods(router)
+    router.rank = lambda x: x.topk(2)
+    assert not runs_class_methods(router)
