@@ -30,6 +30,13 @@ def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                 f"moe-replay cannot follow assisted decoding ({name} is set): rejected draft tokens are routed too "
                 "and the cache is rolled back; generate without an assistant"
             )
+    scale = setting(model, kwargs, "guidance_scale")
+    if scale is not None and scale != 1:
+        raise UnsupportedGenerationError(
+            f"moe-replay cannot follow classifier-free guidance (guidance_scale={scale}): its logits processor runs "
+            "extra forwards of the model, with a cache of their own, between the decode steps, which would be placed "
+            "as steps of the generation; generate without guidance_scale"
+        )
     if setting(model, kwargs, "use_cache", True) is False:
         raise UnsupportedGenerationError(
             "moe-replay follows generate step by step through its KV cache; use_cache=False re-runs every position "

@@ -132,6 +132,13 @@ class StepTracker:
                     "or forward): its routes could not be lined up with out.sequences; pass each generate a fresh "
                     "cache (or none)"
                 )
+            if continuing and self.stream >= 0 and held != self.cursor:  # (a stream's positions are its forwards')
+                raise ValueError(
+                    f"a forward continues a KV cache that holds {held} tokens, but the stream it would continue ends "
+                    f"at position {self.cursor}: a cache copied, cropped or rolled back, or another stream's, cannot "
+                    "be placed; open a context per continuation of one cache (prefill included), or run the "
+                    "continuations without a cache"
+                )
         if continuing:
             if self.stream < 0:
                 raise ValueError(

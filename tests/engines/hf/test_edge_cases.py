@@ -58,7 +58,11 @@ def test_accumulating_differently_shaped_forwards_under_checkpointing():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"use_cache": False}, "use_cache=True"), ({"num_beams": 2}, "beam search")],
+    [
+        ({"use_cache": False}, "use_cache=True"),
+        ({"num_beams": 2}, "beam search"),
+        ({"guidance_scale": 1.5}, "classifier-free guidance"),
+    ],
 )
 def test_generate_modes_that_cannot_be_followed(qwen, kwargs, match):
     ids, mask = left_padded(2, 4, [0, 1])
@@ -183,6 +187,27 @@ def test_a_generate_given_a_cache_that_holds_tokens_is_refused_at_its_first_step
         assert qwen.generate(input_ids=turn, **sampling).shape[1] == turn.shape[1] + 3  # a fresh cache: recorded
     first, second = rec.batches
     assert first.equal(alone.routes) and second.seq_len == turn.shape[1] + 3
+
+
+@pytest.mark.parametrize("how", ["copied", "cropped"])
+def test_a_forward_continuing_a_cache_that_does_not_end_where_its_stream_does_is_refused(qwen, how):
+    """Scoring two continuations, each from a copy of a prompt's cache (or after rolling the cache back), would place
+    the second at the end of the first: refused, since its positions are the cache's, not the stream's."""
+    import copy
+
+    from transformers import DynamicCache
+
+    ids, _ = left_padded(2, 6, [0, 0])
+    first, second = ids[:, :3] + 1, ids[:, :3] + 2
+    with torch.no_grad(), record_routes(qwen) as rec:
+        cache = DynamicCache()
+        qwen(ids, cache=cache, use_cache=True)
+        qwen(first, cache=copy.deepcopy(cache) if how == "copied" else cache, use_cache=True)
+        if how == "cropped":
+            cache.crop(-3)  # (drops the last 3 tokens)
+        with pytest.raises(ValueError, match="holds 6 tokens, but the stream it would continue ends at position 9"):
+            qwen(second, cache=copy.deepcopy(cache) if how == "copied" else cache, use_cache=True)
+    assert rec.routes.seq_len == 9  # the prompt and the first continuation, as they ran
 
 
 def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
