@@ -134,6 +134,9 @@ class Recorder(Protocol):
         self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
     ) -> None: ...
 
+    def drop_streams(self, first: int) -> None:
+        """Forget the streams `first` and after (a `generate` that raised)."""
+
 
 class Replayer(Protocol):
     track_live: bool  # whether its plans count the live picks (`Plan.observe`)

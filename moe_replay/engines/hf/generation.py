@@ -89,6 +89,9 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         hub.synced = bool(setting(hub.model, kwargs, "synced_gpus", False))
         try:
             out = inner(*args, **kwargs)
+        except BaseException:  # a generate that raised is not recorded (a retry after an OOM records the retry alone)
+            hub.drop_streams(first)
+            raise
         finally:
             hub.generating -= 1
             hub.synced = False

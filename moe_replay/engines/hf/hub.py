@@ -208,6 +208,12 @@ class RouterHub:
         self._repeats[i] = (step, n)
         return f"{self.sites[i].name}#{n}"
 
+    def drop_streams(self, first: int) -> None:
+        """Forget what the recorders hold, or the hub still holds for them, of streams `first` and after."""
+        self.held = [(step, taken) for step, taken in self.held if step.stream < first]
+        for rec in self.recorders:
+            rec.drop_streams(first)
+
     def hand_over(self) -> None:
         """Give the recorders the router calls of the steps held since the last hand-over, in order."""
         held, self.held = self.held, []

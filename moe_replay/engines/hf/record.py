@@ -51,6 +51,11 @@ class RouteRecorder:
             self._checked = (names, sizes)
         stream.take(step, names, indices, versions, self._experts)
 
+    def drop_streams(self, first: int) -> None:
+        """Forget the streams `first` and after (those of a `generate` that raised)."""
+        for sid in [sid for sid in self._streams if sid >= first]:
+            del self._streams[sid]
+
     def on_generate(
         self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
     ) -> None:

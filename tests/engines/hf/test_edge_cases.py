@@ -210,6 +210,37 @@ def test_a_forward_continuing_a_cache_that_does_not_end_where_its_stream_does_is
     assert rec.routes.seq_len == 9  # the prompt and the first continuation, as they ran
 
 
+def test_a_generate_that_raises_midway_records_nothing_and_its_retry_is_recorded_alone(qwen):
+    """A generate that raised after some decode steps (an OOM, an interrupt, a logits processor's error) is not
+    recorded: a retry in the same context gives one batch, the retry's."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Boom(LogitsProcessor):
+        def __init__(self, at: int) -> None:
+            self.left = at
+
+        def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.left -= 1
+            if self.left == 0:
+                raise RuntimeError("out of memory (simulated)")
+            return scores
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    sampling = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": True, "pad_token_id": PAD}
+    torch.manual_seed(3)
+    with torch.no_grad(), record_routes(qwen) as alone:
+        expected = qwen.generate(input_ids=ids, attention_mask=mask, **sampling)
+    for at in (1, 5):  # after the prefill (handed to the recorder at once), after decode steps (held by the hub)
+        with torch.no_grad(), record_routes(qwen) as rec:
+            with pytest.raises(RuntimeError, match="simulated"):
+                qwen.generate(
+                    input_ids=ids, attention_mask=mask, logits_processor=LogitsProcessorList([Boom(at)]), **sampling
+                )
+            torch.manual_seed(3)
+            assert torch.equal(qwen.generate(input_ids=ids, attention_mask=mask, **sampling), expected)
+        assert len(rec.batches) == 1 and rec.routes.equal(alone.routes)
+
+
 def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
     with record_routes(qwen):
         with pytest.raises(ReplayError, match="already hooked by a context opened on Qwen3MoeForCausalLM"):
