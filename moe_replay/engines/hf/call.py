@@ -131,7 +131,12 @@ class Recorder(Protocol):
         model's: copy what is kept, its version counter when it was selected (None: a copy already), E)."""
 
     def on_generate(
-        self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
+        self,
+        streams: Iterable[int],
+        sequences: torch.Tensor,
+        eos: list[int],
+        prompt_mask: torch.Tensor | None,
+        prompt: int | None = None,
     ) -> None: ...
 
     def drop_streams(self, first: int) -> None:

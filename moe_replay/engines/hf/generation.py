@@ -13,8 +13,20 @@ from .steps import GENERATE_START
 
 
 def setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return kwargs.get(name, getattr(config, name, default) if config is not None else default)
+    """The generation setting `name` a `generate(**kwargs)` call runs with, as transformers resolves it: its keyword
+    argument, else the `generation_config` passed, else the model's (None in a config is unset), else `default`.
+
+    Example:
+        >>> setting(model, {"num_beams": 2}, "num_beams", 1)  # doctest: +SKIP
+        2
+    """
+    if name in kwargs:
+        return kwargs[name]
+    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        value = getattr(config, name, None) if config is not None else None
+        if value is not None:
+            return value
+    return default
 
 
 def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -102,8 +114,10 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         if isinstance(sequences, torch.Tensor):
             streams = range(first, hub.tracker.stream + 1)
             eos, prompt_mask = eos_token_ids(hub.model, kwargs), kwargs.get("attention_mask")
+            ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))  # (out.sequences' start)
+            prompt = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
             for rec in hub.recorders:
-                rec.on_generate(streams, sequences, eos, prompt_mask if torch.is_tensor(prompt_mask) else None)
+                rec.on_generate(streams, sequences, eos, prompt_mask if torch.is_tensor(prompt_mask) else None, prompt)
         return out
 
     return generate

@@ -57,10 +57,16 @@ class RouteRecorder:
             del self._streams[sid]
 
     def on_generate(
-        self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None
+        self,
+        streams: Iterable[int],
+        sequences: torch.Tensor,
+        eos: list[int],
+        prompt_mask: torch.Tensor | None,
+        prompt: int | None = None,
     ) -> None:
-        """After a `generate`: routes span `out.sequences`, end at each row's end-of-sequence token, and are not
-        recorded where the prompt's attention mask is 0 (whatever mask the cache implementation passed the forward)."""
+        """After a `generate`: routes span `out.sequences`, end at each row's end-of-sequence token after the prompt
+        (`prompt` tokens; None: its first forward's, which a chunked prefill splits), and are not recorded where the
+        prompt's attention mask is 0 (whatever mask the cache implementation passed the forward)."""
         for sid in streams:
             stream = self._streams.get(sid)
             if stream is None:
@@ -71,7 +77,7 @@ class RouteRecorder:
             # to stay in step with the others: they are not part of out.sequences.
             dummy = next((s for s in stream.steps[1:] if s.start >= stream.final_len - 1), None)
             stream.end = None if dummy is None else dummy.start
-            prompt, keep = stream.steps[0].length, []
+            prompt, keep = (stream.steps[0].length if prompt is None else prompt), []
             if eos:  # not at or after a row's EOS (the EOS token itself is fed only as padding for finished rows)
                 generated = sequences[:, prompt:]
                 if len(eos) == 1:

@@ -241,6 +241,44 @@ def test_a_generate_that_raises_midway_records_nothing_and_its_retry_is_recorded
         assert len(rec.batches) == 1 and rec.routes.equal(alone.routes)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_chunked_prefill_is_one_prompt(qwen, cache):
+    """generate(prefill_chunk_size=...) runs the prompt in several forwards; out.sequences still starts with the
+    whole prompt: an EOS id inside it (a chat template's turn end) ends no row, and its padding is not recorded."""
+    ids, mask = left_padded(2, 12, [0, 3])
+    ids[:, 8] = 7
+    sampling = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": True, "pad_token_id": PAD, "eos_token_id": 7}
+    if cache == "static":
+        sampling["cache_implementation"] = "static"
+    masks = []
+    for chunk in ({}, {"prefill_chunk_size": 4}):
+        torch.manual_seed(0)
+        with torch.no_grad(), record_routes(qwen) as rec:
+            qwen.generate(input_ids=ids, attention_mask=mask, **sampling, **chunk)
+        masks.append(rec.routes.mask)
+    assert torch.equal(masks[1], masks[0]) and masks[0][:, 9:12].all() and not masks[0][1, :3].any()
+
+
+def test_generation_config_passed_without_eos_ends_rows_at_the_models_eos(qwen):
+    """A `generation_config` passed to generate leaves unset what it does not set: transformers fills EOS from the
+    model's, and stops there, so the routes end there too."""
+    from transformers import GenerationConfig
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    sampling = {"do_sample": True, "max_new_tokens": 8, "pad_token_id": PAD}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        eos = int(qwen.generate(input_ids=ids, attention_mask=mask, **sampling)[0, 7])  # row 0's third new token
+    qwen.generation_config.eos_token_id = eos
+    masks = []
+    for kw in (sampling, {"generation_config": GenerationConfig(**sampling)}):
+        torch.manual_seed(0)
+        with torch.no_grad(), record_routes(qwen) as rec:
+            qwen.generate(input_ids=ids, attention_mask=mask, **kw)
+        masks.append(rec.routes.mask)
+    assert not masks[0][0, 7:].any() and torch.equal(masks[1], masks[0])
+
+
 def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
     with record_routes(qwen):
         with pytest.raises(ReplayError, match="already hooked by a context opened on Qwen3MoeForCausalLM"):
