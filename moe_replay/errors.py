@@ -17,6 +17,11 @@ class NestedContextError(ReplayError, RuntimeError):
     """A context cannot open because another open context already holds the same routers (also a RuntimeError)."""
 
 
+class ForeignThreadError(ReplayError, RuntimeError):
+    """A hooked model ran a forward, or a context opened on it, in another thread than the one whose open context
+    hooked it: its router calls would land in that thread's steps (also a RuntimeError)."""
+
+
 class UnsupportedModelError(ValueError):
     """The model has no router moe-replay can find, or its routing (family, configuration) cannot be recorded or
     replayed."""
@@ -31,6 +36,7 @@ class RoutesFileError(ValueError):
 
 
 __all__ = [
+    "ForeignThreadError",
     "NestedContextError",
     "ReplayError",
     "RoutesFileError",

@@ -18,11 +18,12 @@ hub.
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 from torch import nn
 
-from ...errors import NestedContextError
+from ...errors import ForeignThreadError, NestedContextError
 from .call import Recorder, Replayer, RouterCall
 from .discover import RouterSite
 from .facts import RouterFacts, facts_for, runs_class_methods, signature_cache
@@ -68,6 +69,7 @@ class RouterHub:
     def _reset(self) -> None:
         """The state of one stretch of open contexts: a kept hub starts each one afresh (its facts are `_install`'s)."""
         self.tracker = StepTracker(self._signatures)
+        self.thread = threading.get_ident()  # the thread whose contexts are open: the only one that may run the model
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         self._record_from_outputs(False)
@@ -110,6 +112,11 @@ class RouterHub:
             except BaseException:
                 hub._patches.undo()
                 raise
+        elif hub.thread != threading.get_ident():
+            raise ForeignThreadError(
+                f"a context cannot open on {type(model).__name__} in this thread while contexts opened in another "
+                "thread are open on it: open and use a model's contexts in one thread"
+            )
         if hub.held:
             hub.hand_over()  # what ran before belongs to the contexts open then
         (hub.replayers if replay else hub.recorders).append(handler)

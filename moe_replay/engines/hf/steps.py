@@ -4,13 +4,14 @@ wrapper that makes each outermost forward of a tracked model a step."""
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...errors import UnsupportedGenerationError
+from ...errors import ForeignThreadError, UnsupportedGenerationError
 from ..autograd import inside_reentrant_checkpoint
 
 HAND_OVER = 32  # decode steps of a generate held before the recorders take them (`step_wrapper`)
@@ -192,8 +193,15 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     graph_task = torch._C._current_graph_task_id  # -1 outside a backward (`in_backward`, inlined below)
+    thread = threading.get_ident
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if thread() != hub.thread and graph_task() == -1:  # (a backward's recompute may run in autograd's threads)
+            raise ForeignThreadError(
+                f"{type(hub.model).__name__} ran a forward in another thread than the one whose moe-replay contexts "
+                "are open on it: its router calls would be placed in that thread's forward; run the model in the "
+                "thread that opened the contexts, or close them first"
+            )
         tracker = hub.tracker
         if tracker.depth or graph_task() != -1:  # an inner model called by the outer one, or a recompute
             return inner(*args, **kwargs)

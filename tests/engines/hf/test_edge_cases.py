@@ -279,6 +279,43 @@ def test_generation_config_passed_without_eos_ends_rows_at_the_models_eos(qwen):
     assert not masks[0][0, 7:].any() and torch.equal(masks[1], masks[0])
 
 
+def test_another_thread_running_the_model_or_opening_a_context_while_one_is_open_is_refused(qwen):
+    """Another thread's forward during a recorded forward would be placed in it (its router calls as repeated
+    layers): it is refused in that thread, and the recording is the recorded thread's alone. So is a context opened
+    from another thread; a context that closed leaves the model to any thread."""
+    import threading
+
+    from moe_replay.errors import ForeignThreadError
+
+    ids, mask = left_padded(2, 6, [0, 2])
+    with torch.no_grad(), record_routes(qwen) as alone:
+        qwen(ids, attention_mask=mask)
+    raised = []
+
+    def other(fn) -> None:  # noqa: ANN001
+        try:
+            fn()
+        except ForeignThreadError as e:
+            raised.append(e)
+
+    def run_other(fn) -> None:  # noqa: ANN001
+        thread = threading.Thread(target=other, args=(fn,))
+        thread.start()
+        thread.join()
+
+    with torch.no_grad():
+        layer = qwen.model.layers[1].register_forward_pre_hook(
+            lambda m, a: run_other(lambda: qwen(ids + 1)) if not raised else None
+        )
+        with record_routes(qwen) as rec:
+            qwen(ids, attention_mask=mask)
+            run_other(lambda: record_routes(qwen).__enter__())
+        layer.remove()
+        assert len(raised) == 2 and rec.routes.equal(alone.routes)
+        run_other(lambda: qwen(ids))  # no context open: any thread
+    assert len(raised) == 2
+
+
 def test_overlapping_contexts_on_model_and_inner_model_are_refused(qwen):
     with record_routes(qwen):
         with pytest.raises(ReplayError, match="already hooked by a context opened on Qwen3MoeForCausalLM"):
