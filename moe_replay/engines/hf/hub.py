@@ -69,7 +69,7 @@ class RouterHub:
     def _reset(self) -> None:
         """The state of one stretch of open contexts: a kept hub starts each one afresh (its facts are `_install`'s)."""
         self.tracker = StepTracker(self._signatures)
-        self.thread = threading.get_ident()  # the thread whose contexts are open: the only one that may run the model
+        self.thread = threading.get_ident()  # the thread whose contexts are open: the only one that may open more
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         self._record_from_outputs(False)

@@ -73,7 +73,7 @@ class StepTracker:
     """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
     stream at the next position; any other forward starts a new stream at position 0."""
 
-    __slots__ = ("stream", "cursor", "batch", "current", "depth", "cache", "_signatures")  # (made per context)
+    __slots__ = ("stream", "cursor", "batch", "current", "depth", "cache", "thread", "_signatures")
 
     def __init__(self, signatures: dict | None = None) -> None:
         self.stream = -1
@@ -85,6 +85,7 @@ class StepTracker:
         # before its first step; None between generate calls (a cache that one left may be emptied before the next,
         # and is not kept alive by the hub)
         self.cache: Any = None
+        self.thread = 0  # the thread running the current step (`step_wrapper`)
         # per forward function: its signature and positional parameter names (a dict the caller may keep across
         # trackers, e.g. on the model: inspecting a signature costs more than a whole router call)
         self._signatures: dict[Any, tuple[inspect.Signature, tuple[str, ...] | None]] = (
@@ -196,16 +197,17 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
     thread = threading.get_ident
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if thread() != hub.thread and graph_task() == -1:  # (a backward's recompute may run in autograd's threads)
-            raise ForeignThreadError(
-                f"{type(hub.model).__name__} ran a forward in another thread than the one whose moe-replay contexts "
-                "are open on it: its router calls would be placed in that thread's forward; run the model in the "
-                "thread that opened the contexts, or close them first"
-            )
         tracker = hub.tracker
         if tracker.depth or graph_task() != -1:  # an inner model called by the outer one, or a recompute
+            if tracker.depth and thread() != tracker.thread and graph_task() == -1:  # (autograd's threads recompute)
+                raise ForeignThreadError(
+                    f"{type(hub.model).__name__} ran a forward in another thread while a forward of it, with "
+                    "moe-replay contexts open, was running: its router calls would be placed in that forward; run the "
+                    "model in one thread at a time"
+                )
             return inner(*args, **kwargs)
         step = tracker.begin(inner, args, kwargs, hub.generating > 0)
+        tracker.thread = thread()
         step.synced = hub.synced
         if step.grad is None and hub.replayers:  # began without grad: a checkpoint around the model recomputes it
             step.grad = inside_reentrant_checkpoint()  # (the stack above the model, walked once per forward)
