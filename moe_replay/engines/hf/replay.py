@@ -90,6 +90,7 @@ class RouteReplayer:
         self._hub: RouterHub | None = None
         self._mask_copy: tuple[int | None, torch.Tensor] | None = None  # a device mask's host copy (`_host_mask`)
         self._last: tuple[tuple[int, ...], Span] | None = None  # the last span's key and conversion: forwards repeat
+        self._tensors = (routes.indices, routes.mask)  # what the caches below were made from (`_step_span`)
         self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
         self._columns: dict[str, int] = {}
@@ -156,6 +157,11 @@ class RouteReplayer:
         if end > T:
             raise ReplayError(
                 f"the forward covers positions {step.start}..{end - 1} but the routes hold T={T} positions"
+            )
+        if r.indices is not self._tensors[0] or r.mask is not self._tensors[1]:
+            raise ReplayError(
+                "the routes' indices or mask were replaced by another tensor while a replay of them was open: the "
+                "replay holds what it made from the ones it was given; edit them in place, or open a new context"
             )
         try:  # the routes as they are now (in-place edits); `autograd.version` of each, inlined
             key = (step.start, end, r.indices._version, r.mask._version)

@@ -281,3 +281,18 @@ def test_a_router_with_a_method_set_on_it_does_not_run_its_class_methods():
     assert runs_class_methods(router)
     router.rank = lambda x: x.topk(2)
     assert not runs_class_methods(router)
+
+
+@pytest.mark.parametrize("which", ["indices", "mask"])
+def test_routes_whose_tensors_are_replaced_during_a_replay_are_refused(qwen, which):
+    """A replay converts its routes once per span and reuses that while they are unchanged (version counters). A
+    tensor put in their place, whose version counter may equal the old one's, would be ignored: refused instead."""
+    ids, mask = left_padded(2, 6, [0, 2])
+    with torch.no_grad(), record_routes(qwen) as rec:
+        qwen(ids, attention_mask=mask)
+    routes = rec.routes
+    with torch.no_grad(), replay_routes(qwen, routes):
+        qwen(ids, attention_mask=mask)
+        setattr(routes, which, getattr(routes, which).clone())  # (a fresh tensor: version 0, as the old one)
+        with pytest.raises(ReplayError, match="replaced by another tensor"):
+            qwen(ids, attention_mask=mask)
