@@ -104,9 +104,10 @@ class RecomputeQueue:
                 continue
             if len(hits) > 1 and not _equal_plans([pool[k].plan for k in hits]):
                 raise ReplayError(
-                    f"router {self.router!r} is recomputed in the backward and its input matches {len(hits)} waiting "
-                    "replayed calls with different routes: cannot tell which forward it re-runs; run each backward "
-                    "before the next forward"
+                    f"router {self.router!r} is recomputed in the backward and {FINGERPRINT} evenly spaced elements of "
+                    f"its input match those of {len(hits)} waiting replayed calls with different routes (inputs that "
+                    "differ elsewhere, e.g. batches that share their first token, may sample alike): cannot tell "
+                    "which forward it re-runs; run each backward before the next forward"
                 )
             if not first:
                 return pool[hits[-1]]
