@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -40,16 +41,25 @@ TARGETS = {  # issue 18: (work, model) -> largest ratio
 }
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeats: int, shuffle: random.Random | None = None
+) -> dict[str, list[float]]:
     """Main-thread CPU seconds of each function in every round, all run in one loop (order reversed every round,
-    after a warm-up), so that every row compares work done under the same machine state."""
+    after a warm-up), so that every row compares work done under the same machine state. With `shuffle`, the order is
+    random in every round instead: with many functions, a fixed order (even reversed every round) gives each the same
+    neighbours round after round, and what a neighbour leaves behind (the allocator's and the caches' state) then
+    biases its ratio; a random order turns it into noise."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     for r in range(repeats):
-        for name, fn in list(fns.items())[:: 1 if r % 2 else -1]:
+        if shuffle is not None:
+            shuffle.shuffle(names)
+        order = names if shuffle is not None or r % 2 else names[::-1]
+        for name in order:
             t0 = time.thread_time()
-            fn()
+            fns[name]()
             times[name].append(time.thread_time() - t0)
     return times
 

@@ -21,7 +21,7 @@ use. Variants, from the least work to the most:
   as it is                         the code as it is
 Every row prints its ratio to the plain generate (the paired median of host_cost.py: CPU time of the main thread,
 one torch thread, paired within a round) and to "as it is", next to an A/A row of the plain work. The order is random
-in every round (`shuffled`).
+in every round (`host_cost.interleaved` with `shuffle`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-from host_cost import paired_ratio
+from host_cost import interleaved, paired_ratio
 from run import TINY, build, generate_fn
 
 from moe_replay.engines.hf.layout import model_layout
@@ -137,24 +136,6 @@ def variants(hub: Any) -> dict[str, Callable[[], AbstractContextManager]]:
     }
 
 
-def shuffled(fns: dict[str, Callable[[], object]], rounds: int, seed: int = 0) -> dict[str, list[float]]:
-    """Main-thread CPU seconds of each function in every round, in a new random order each round (after a warm-up).
-    With this many variants a fixed order, even reversed every round, gives each one the same neighbours round after
-    round, and what a neighbour leaves behind (the allocator's and the caches' state) then biases its ratio; a random
-    order turns it into noise."""
-    rng, names = random.Random(seed), list(fns)
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        rng.shuffle(names)
-        for name in names:
-            t0 = time.thread_time()
-            fns[name]()
-            times[name].append(time.thread_time() - t0)
-    return times
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=300)
@@ -179,7 +160,7 @@ def main() -> int:
     if not (torch.equal(a.indices, b.indices) and torch.equal(a.mask, b.mask) and a.layers == b.layers):
         raise SystemExit("the minimal routers recorded other routes than the code as it is: not a like-for-like split")
     fns.update(plain=plain, plain2=plain)
-    times = shuffled(fns, args.rounds)
+    times = interleaved(fns, args.rounds, shuffle=random.Random(0))
     print(f"tiny model, recording under generate of 32 new tokens, B=1; {args.rounds} rounds")
     print("work | ratio to plain | ratio to 'as it is'")
     for name in fns:
