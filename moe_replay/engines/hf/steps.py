@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -73,7 +75,7 @@ class StepTracker:
     """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
     stream at the next position; any other forward starts a new stream at position 0."""
 
-    __slots__ = ("stream", "cursor", "batch", "current", "depth", "cache", "thread", "_signatures")
+    __slots__ = ("stream", "cursor", "batch", "current", "depth", "cache", "thread", "_owners", "_signatures")
 
     def __init__(self, signatures: dict | None = None) -> None:
         self.stream = -1
@@ -86,6 +88,8 @@ class StepTracker:
         # and is not kept alive by the hub)
         self.cache: Any = None
         self.thread = 0  # the thread running the current step (`step_wrapper`)
+        # id(KV cache) -> (a weak reference to it, the stream whose forwards last used or returned it) (`own`)
+        self._owners: dict[int, tuple[weakref.ref, int]] = {}
         # per forward function: its signature and positional parameter names (a dict the caller may keep across
         # trackers, e.g. on the model: inspecting a signature costs more than a whole router call)
         self._signatures: dict[Any, tuple[inspect.Signature, tuple[str, ...] | None]] = (
@@ -120,11 +124,13 @@ class StepTracker:
         cache = bound.get("cache")
         if cache is None:
             cache = bound.get("past_key_values")
+        noted = True  # whether the cache is noted as this step's stream's (`own`) already, or there is none
         if cache is None:
             continuing = False
         elif generating and cache is self.cache:  # a later step of this generate: its cache holds the steps before
             continuing = True
         else:
+            noted = False
             length = getattr(cache, "get_seq_length", None)
             held = int(length()) if length is not None else 0
             continuing = held > 0
@@ -133,6 +139,14 @@ class StepTracker:
                     f"generate was given a KV cache that already holds {held} tokens (reused from an earlier generate "
                     "or forward): its routes could not be lined up with out.sequences; pass each generate a fresh "
                     "cache (or none)"
+                )
+            owner = self._owners.get(id(cache))
+            if continuing and owner is not None and owner[0]() is cache and owner[1] != self.stream:
+                raise ValueError(
+                    f"a forward continues a KV cache ({held} tokens) of an earlier batch after another batch began "
+                    f"(the current one: {self.batch} rows at position {self.cursor}): routes are placed one batch "
+                    "after another, so interleaved caches cannot be placed; finish one batch's forwards before the "
+                    "next batch's first, or open a context per batch"
                 )
             if continuing and self.stream >= 0 and held != self.cursor:  # (a stream's positions are its forwards')
                 raise ValueError(
@@ -155,6 +169,8 @@ class StepTracker:
             start = 0
         self.cursor, self.batch = start + t, B
         self.cache = cache if generating and t > 0 else None
+        if not noted:
+            self.own(cache)
         mask = bound.get("attention_mask")
         if isinstance(mask, torch.Tensor):
             size = mask.shape
@@ -166,6 +182,20 @@ class StepTracker:
         self.current = Step(self.stream, B, start, t, mask, tokens.device, grad, False, generating)  # (positional)
         return self.current
 
+    def own(self, cache: Any) -> None:
+        """Note `cache` as the current stream's: a later forward continuing it while another stream runs is refused
+        (`begin`). A cache that cannot be weakly referenced (a legacy tuple) is not noted."""
+        if cache is None:
+            return
+        key, owners = id(cache), self._owners
+        entry = owners.get(key)
+        if entry is not None and entry[0]() is cache and entry[1] == self.stream:
+            return
+        try:  # (forgotten as the cache is freed: the hub never keeps a cache alive)
+            owners[key] = (weakref.ref(cache, partial(_forget, owners, key)), self.stream)
+        except TypeError:
+            pass
+
     def _signature(self, forward: Any) -> tuple[inspect.Signature, tuple[str, ...] | None]:
         """`forward`'s signature and the names of its leading positional parameters (None if it takes *args), kept."""
         sig = inspect.signature(forward)
@@ -174,6 +204,11 @@ class StepTracker:
         plain = all(p.kind != inspect.Parameter.VAR_POSITIONAL for p in params)
         found = self._signatures[forward] = (sig, tuple(p.name for p in params if p.kind in kinds) if plain else None)
         return found
+
+
+def _forget(owners: dict, key: int, ref: weakref.ref) -> None:
+    if key in owners and owners[key][0] is ref:
+        del owners[key]
 
 
 def _bind(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -222,6 +257,8 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             tracker.depth -= 1
             tracker.current = hub.lane_step = None
+        if not step.generating:  # the cache a forward made is its stream's too (`out.past_key_values` fed back)
+            tracker.own(getattr(out, "past_key_values", None))
         if hub.taken:  # the recorders take the step's router calls, a generate's decode steps `HAND_OVER` at a time
             hub.held.append((step, hub.taken))
             hub.taken = []

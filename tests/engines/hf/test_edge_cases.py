@@ -3,9 +3,6 @@ stale steps, reuse, overlapping contexts, scalar indices."""
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import pytest
 import torch
 from helpers import PAD, hook_count, left_padded, perturb, recorded, sampled, tiny_qwen3_moe
@@ -143,71 +140,6 @@ def test_contexts_are_reusable(qwen):
         qwen(ids, attention_mask=mask)
     with pytest.raises(ReplayError, match="never run"), rep:
         pass
-
-
-def test_a_cache_emptied_between_two_generates_starts_a_new_batch(qwen):
-    """A generate's later steps continue its stream without asking their (same) cache its length; a cache passed
-    again to the next generate is asked afresh: emptied there, that generate is a batch of its own. The hub lets go
-    of the cache when the generate returns."""
-    from transformers import DynamicCache
-
-    ids, mask = left_padded(2, 5, [0, 1])
-    cache, outs = DynamicCache(), []
-    sampling = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": True, "pad_token_id": PAD}
-    with torch.no_grad(), record_routes(qwen) as rec:
-        for _ in range(2):
-            torch.manual_seed(0)
-            outs.append(qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, **sampling))
-            cache.crop(-cache.get_seq_length())  # emptied
-    first, second = rec.batches
-    assert torch.equal(outs[0], outs[1]) and first.seq_len == outs[0].shape[1] and first.equal(second)
-    held = weakref.ref(cache)
-    del cache
-    gc.collect()
-    assert held() is None  # the model's kept hub holds no generate's cache once it returned
-
-
-def test_a_generate_given_a_cache_that_holds_tokens_is_refused_at_its_first_step(qwen):
-    """A second turn that reuses the first turn's KV cache would continue its routes where out.sequences cannot place
-    them: refused as it starts, and what was recorded before is kept."""
-    from transformers import DynamicCache
-
-    ids, _ = left_padded(1, 5, [0])
-    sampling = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": True, "pad_token_id": PAD}
-    torch.manual_seed(0)
-    with torch.no_grad(), record_routes(qwen) as alone:
-        qwen.generate(input_ids=ids, **sampling)
-    cache = DynamicCache()
-    with torch.no_grad(), record_routes(qwen) as rec:
-        torch.manual_seed(0)
-        out = qwen.generate(input_ids=ids, cache=cache, **sampling)
-        turn = torch.cat([out, ids[:, :2]], 1)
-        with pytest.raises(UnsupportedGenerationError, match="already holds 7 tokens .* fresh cache"):
-            qwen.generate(input_ids=turn, cache=cache, **sampling)
-        assert qwen.generate(input_ids=turn, **sampling).shape[1] == turn.shape[1] + 3  # a fresh cache: recorded
-    first, second = rec.batches
-    assert first.equal(alone.routes) and second.seq_len == turn.shape[1] + 3
-
-
-@pytest.mark.parametrize("how", ["copied", "cropped"])
-def test_a_forward_continuing_a_cache_that_does_not_end_where_its_stream_does_is_refused(qwen, how):
-    """Scoring two continuations, each from a copy of a prompt's cache (or after rolling the cache back), would place
-    the second at the end of the first: refused, since its positions are the cache's, not the stream's."""
-    import copy
-
-    from transformers import DynamicCache
-
-    ids, _ = left_padded(2, 6, [0, 0])
-    first, second = ids[:, :3] + 1, ids[:, :3] + 2
-    with torch.no_grad(), record_routes(qwen) as rec:
-        cache = DynamicCache()
-        qwen(ids, cache=cache, use_cache=True)
-        qwen(first, cache=copy.deepcopy(cache) if how == "copied" else cache, use_cache=True)
-        if how == "cropped":
-            cache.crop(-3)  # (drops the last 3 tokens)
-        with pytest.raises(ValueError, match="holds 6 tokens, but the stream it would continue ends at position 9"):
-            qwen(second, cache=copy.deepcopy(cache) if how == "copied" else cache, use_cache=True)
-    assert rec.routes.seq_len == 9  # the prompt and the first continuation, as they ran
 
 
 def test_a_generate_that_raises_midway_records_nothing_and_its_retry_is_recorded_alone(qwen):
