@@ -24,6 +24,7 @@ from .call import Plan, RouterCall
 from .steps import Step
 
 FINGERPRINT = 64  # elements of the router input kept per queued call to tell calls apart
+GOLDEN = (5**0.5 - 1) / 2  # the step between them, as a fraction of the input's size (`fingerprint`)
 KEEP_DONE = 16  # recomputed calls kept per router for a second recompute (retain_graph, nested checkpoints)
 MATCH_RTOL = 1e-3  # a recompute reproduces its forward's input up to nondeterministic kernels
 
@@ -42,16 +43,27 @@ def will_be_recomputed(step: Step) -> bool:
 
 
 def fingerprint(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """A few evenly spaced elements of the call's first tensor input (a float32 copy), or None without one.
+    """`FINGERPRINT` elements of the call's first tensor input (a float32 copy), or None without one.
 
-    Its ops run outside any dispatch mode, so that selective activation checkpointing neither saves nor expects them.
+    They are spread over rows, positions and features alike: element k * round(n (sqrt(5) - 1) / 2) mod n of the n
+    (a golden-ratio sequence, picked on the input's device). Evenly spaced ones lined up with the rows (at B = 64, the
+    first position of each row, alike across batches that share their first token). Its ops run outside any dispatch
+    mode, so that selective activation checkpointing neither saves nor expects them.
+
+    Example:
+        >>> fingerprint((torch.arange(8.0).reshape(2, 4),), {}).tolist()
+        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
     """
     x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     if x is None or x.numel() == 0:
         return None
     with _disable_current_modes(), torch.no_grad():
-        flat = x.detach().reshape(-1)
-        return flat[:: max(1, flat.numel() // FINGERPRINT)][:FINGERPRINT].float().clone()
+        flat, n = x.detach().reshape(-1), x.numel()
+        if n <= FINGERPRINT:
+            return flat.float().clone()
+        step = round(n * GOLDEN)
+        picks = torch.arange(FINGERPRINT, device=flat.device).mul_(step).remainder_(n)
+        return flat[picks].float()
 
 
 @dataclass
@@ -104,10 +116,10 @@ class RecomputeQueue:
                 continue
             if len(hits) > 1 and not _equal_plans([pool[k].plan for k in hits]):
                 raise ReplayError(
-                    f"router {self.router!r} is recomputed in the backward and {FINGERPRINT} evenly spaced elements of "
-                    f"its input match those of {len(hits)} waiting replayed calls with different routes (inputs that "
-                    "differ elsewhere, e.g. batches that share their first token, may sample alike): cannot tell "
-                    "which forward it re-runs; run each backward before the next forward"
+                    f"router {self.router!r} is recomputed in the backward and {FINGERPRINT} sampled elements of its "
+                    f"input match those of {len(hits)} waiting replayed calls with different routes (inputs that "
+                    "differ in a few elements only may sample alike): cannot tell which forward it re-runs; run each "
+                    "backward before the next forward"
                 )
             if not first:
                 return pool[hits[-1]]
