@@ -112,6 +112,7 @@ class RouterHub:
             except BaseException:
                 hub._patches.undo()
                 raise
+            hub.redirects.refresh()  # (their module may have been patched since the last stretch of contexts)
         elif hub.thread != threading.get_ident():
             raise ForeignThreadError(
                 f"a context cannot open on {type(model).__name__} in this thread while contexts opened in another "

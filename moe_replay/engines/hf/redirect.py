@@ -57,7 +57,7 @@ def redirectable(router: nn.Module, sites: list[tuple[Any, types.CodeType | None
 
 def _torch_names(func: types.FunctionType) -> list[str]:
     """The module-level names through which `func` reaches the torch module (usually just "torch")."""
-    return [n for n in func.__code__.co_names if func.__globals__.get(n) is torch]
+    return [n for n in _global_names(func.__code__) if func.__globals__.get(n) is torch]
 
 
 class TorchProxy:
@@ -75,22 +75,56 @@ class TorchProxy:
         return getattr(torch, name)
 
 
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names `code` and the code nested in it (comprehensions, lambdas) may read as globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(_global_names(const))
+    return tuple(sorted(names))
+
+
 def redirected_forward(forward: types.FunctionType) -> types.FunctionType:
     """A copy of a router class's `forward` whose module-level `torch` is a `TorchProxy` (the copy's `torch_proxy`):
-    its `torch.topk` calls go to whatever `torch_proxy.topk` is when they run (call it as `copy(router, ...)`).
+    its `torch.topk` calls go to whatever `torch_proxy.topk` is when they run (call it as `copy(router, ...)`). Its
+    module's globals are copied as they are now: `refresh` copies them again.
 
     Example:
         >>> fast = redirected_forward(type(router).forward)  # doctest: +SKIP
         >>> run_redirected(fast, my_topk, router, (hidden_states,), {})  # its torch.topk runs my_topk  # doctest: +SKIP
     """
-    proxy = TorchProxy(forward.__code__.co_names)
+    names = _global_names(forward.__code__)
+    proxy = TorchProxy(names)
     scope = dict(forward.__globals__)
     for name in _torch_names(forward):
         scope[name] = proxy
     copy = types.FunctionType(forward.__code__, scope, forward.__name__, forward.__defaults__, forward.__closure__)
     copy.__kwdefaults__ = forward.__kwdefaults__
     copy.torch_proxy = proxy
+    copy.global_names = names  # (`refresh`)
+    copy.torch_names = tuple(n for n in names if n != "topk" and n in proxy.__dict__)
     return copy
+
+
+def refresh(copy: types.FunctionType, forward: types.FunctionType) -> None:
+    """Copy again into the redirected `copy` of `forward` the module globals and torch attributes its code reads, so
+    that it runs what `forward` would run now (a kernel library or a user may patch its module between contexts).
+
+    Example:
+        >>> refresh(fast, type(router).forward)  # doctest: +SKIP
+    """
+    scope, source, proxy = copy.__globals__, forward.__globals__, copy.torch_proxy
+    missing = object()
+    for name in copy.global_names:
+        value = source.get(name, missing)
+        if value is torch:
+            scope[name] = proxy
+        elif value is missing:
+            scope.pop(name, None)  # (read from builtins, as by `forward`)
+        else:
+            scope[name] = value
+    for name in copy.torch_names:
+        setattr(proxy, name, getattr(torch, name))
 
 
 def run_redirected(
@@ -128,3 +162,8 @@ class Redirects:
         if found is None:
             found = self._forwards[forward] = redirected_forward(forward)
         return found
+
+    def refresh(self) -> None:
+        """Copy each redirected forward's globals again (`refresh`): run once per stretch of open contexts."""
+        for forward, copy in self._forwards.items():
+            refresh(copy, forward)

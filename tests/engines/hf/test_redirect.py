@@ -119,3 +119,25 @@ def test_routers_that_do_not_qualify_keep_the_mode():
         with torch.no_grad(), replay_routes(model, rec.routes):
             assert torch.equal(model(ids).logits, live)
     assert router_facts(model)[HelperTopK].redirect == {False: 0}
+
+
+def test_the_redirected_forward_runs_what_its_module_holds_when_a_context_opens(monkeypatch):
+    """The redirected copy of a router's forward reads its module's globals from a copy of them: a module-level name
+    patched between contexts (a kernel library, a user's patch of `F`) is copied again as the next context opens,
+    so the copy runs what the class's forward would (found by review: it ran the first context's `F`)."""
+    import types
+
+    model = build_tiny_model("qwen3_moe").eval()
+    ids = torch.randint(5, 100, (2, 10))
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids)
+    before, _ = replayed(model, rec.routes, ids, None)  # makes the copy, and learns that its top-k qualifies
+    assert facts_of(model).redirect == {False: 1}
+    scope = type(gates(model)[0]).forward.__globals__
+    F = scope["F"]
+    doubled = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
+    doubled.linear = lambda x, w, b=None: 2 * F.linear(x, w, b)
+    monkeypatch.setitem(scope, "F", doubled)
+    fast, _ = replayed(model, rec.routes, ids, 1)
+    mode, _ = replayed(model, rec.routes, ids, 0)
+    assert torch.equal(fast, mode) and not torch.equal(fast, before)
