@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -33,11 +34,12 @@ class RouterFacts:
     topk_in_router: bool | None = None
     output_index: dict[bool, int | None] = field(default_factory=dict)
     redirect: dict[bool, int] = field(default_factory=dict)
-    forward: object = None  # the class's `forward` they were learned on: a class patched since starts afresh
+    methods: tuple | None = None  # the class's methods they were learned on (`class_methods`): a class patched since
+    # starts afresh
 
     def __getstate__(self) -> dict:
-        """A saved or copied model's facts forget the function (a patched one may not pickle): relearned on use."""
-        return {**self.__dict__, "forward": None}
+        """A saved or copied model's facts forget the functions (a patched one may not pickle): relearned on use."""
+        return {**self.__dict__, "methods": None}
 
 
 def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
@@ -46,7 +48,7 @@ def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
     Example:
         >>> with record_routes(model):  # doctest: +SKIP
         ...     model(ids)
-        >>> router_facts(model)[Qwen3MoeTopKRouter].topk_in_router
+        >>> router_facts(model)[Qwen3MoeTopKRouter].topk_in_router  # doctest: +SKIP
         True
     """
     facts = model.__dict__.get(ATTR)
@@ -55,9 +57,30 @@ def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
     return facts
 
 
+def class_methods(cls: type) -> tuple[tuple[str, Any], ...]:
+    """The methods (and other descriptors) `cls` defines or inherits from classes below `nn.Module`, by name: a
+    router class's facts hold while these do (its forward may call any of them).
+
+    Example:
+        >>> class Gate(nn.Linear):
+        ...     def score(self, x):
+        ...         return x
+        >>> [name for name, _ in class_methods(Gate)]
+        ['__init__', 'extra_repr', 'forward', 'reset_parameters', 'score']
+    """
+    found: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            continue
+        for name, value in vars(klass).items():
+            if name not in found and (callable(value) or isinstance(value, staticmethod | classmethod | property)):
+                found[name] = value
+    return tuple(sorted(found.items(), key=lambda item: item[0]))
+
+
 def facts_for(model: nn.Module, classes: Iterable[type]) -> dict[type, RouterFacts]:
     """The (possibly still empty) facts about each router class in `classes` on `model`: new ones for a class whose
-    `forward` was replaced since they were learned (a kernel library or a user patching the class between contexts).
+    methods were replaced since they were learned (a kernel library or a user patching the class between contexts).
 
     Example:
         >>> facts_for(model, {Qwen3MoeTopKRouter})[Qwen3MoeTopKRouter].redirect  # doctest: +SKIP
@@ -65,11 +88,21 @@ def facts_for(model: nn.Module, classes: Iterable[type]) -> dict[type, RouterFac
     """
     facts = router_facts(model)
     for cls in classes:
-        forward = getattr(cls, "forward", None)
+        methods = class_methods(cls)
         found = facts.get(cls)
-        if found is None or found.forward is not forward:
-            facts[cls] = RouterFacts(forward=forward)
+        if found is None or found.methods != methods:
+            facts[cls] = RouterFacts(methods=methods)
     return facts
+
+
+def facts_hold(model: nn.Module, classes: Iterable[type]) -> bool:
+    """Whether the facts `model` holds about each class in `classes` were learned on its methods as they are now."""
+    facts = router_facts(model)
+    for cls in classes:
+        found = facts.get(cls)
+        if found is None or found.methods != class_methods(cls):
+            return False
+    return True
 
 
 def runs_class_methods(router: nn.Module) -> bool:

@@ -26,7 +26,7 @@ from torch import nn
 from ...errors import ForeignThreadError, NestedContextError
 from .call import Recorder, Replayer, RouterCall
 from .discover import RouterSite
-from .facts import RouterFacts, facts_for, runs_class_methods, signature_cache
+from .facts import RouterFacts, facts_for, facts_hold, runs_class_methods, signature_cache
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
@@ -173,12 +173,14 @@ class RouterHub:
 
     def _install(self) -> None:
         wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
-        if wrapped == self._installed and self._patches.redo():  # the last context's patches, set again as they were
-            # (which also means no other hub's patch is on its modules, and no router's class, nor its forward, changed
-            # since they were set: the facts the hub kept still hold)
+        classes = {type(s.router) for s in self.sites}
+        if wrapped == self._installed and facts_hold(self.model, classes) and self._patches.redo():
+            # the last context's patches, set again as they were (which also means no other hub's patch is on its
+            # modules, and no router's class changed since they were set), and no router class's method was patched
+            # since its facts were learned: the facts the hub kept still hold
             return
         # the facts about each router's class (a class patched since has none yet), and where to intercept
-        facts = facts_for(self.model, {type(s.router) for s in self.sites})
+        facts = facts_for(self.model, classes)
         self.facts = [facts[type(s.router)] for s in self.sites]
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         wrapped = tuple(self.router_only)

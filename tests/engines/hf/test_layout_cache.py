@@ -109,6 +109,29 @@ def test_a_router_class_swapped_in_place_is_learned_afresh():
         assert torch.equal(model(ids).logits, expected)
 
 
+def test_a_router_class_helper_patched_between_contexts_is_learned_afresh(monkeypatch):
+    """LongCat-Flash's router returns the indices its `get_topk_indices` helper returns: learned once, its output is
+    read for them. A helper patched on the class afterwards (here one that remaps the ids it returns) must have its
+    top-k recorded, not its output: replaying the remapped ids would remap them again, with no error (found by
+    review: the facts were kept while the class's `forward` was unchanged)."""
+    model = build_tiny_model("longcat_flash").eval()
+    ids = torch.randint(5, 100, (2, 6))
+    recorded_layers(model, ids)
+    recorded_layers(model, ids)  # the patches are set again as they were, the router read from its output
+    cls = type(model_layout(model).sites[0].router)
+    helper = cls.get_topk_indices
+
+    def remapped(self, scores):  # noqa: ANN001, ANN202
+        idx = helper(self, scores)
+        return (idx + 1) % self.n_routed_experts
+
+    monkeypatch.setattr(cls, "get_topk_indices", remapped)
+    with torch.no_grad(), record_routes(model) as rec:
+        expected = model(ids).logits
+    with torch.no_grad(), replay_routes(model, rec.routes):
+        assert torch.equal(model(ids).logits, expected)
+
+
 def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_saved(tmp_path):
     """A context per minibatch reuses the hub and its patched methods (no hooks stay between contexts); a method the
     user replaced in between is wrapped afresh; a deep copy or a saved model carries no hub."""
