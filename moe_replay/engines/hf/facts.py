@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from .discover import RouterSite
 from .patch import patched_by
 
 ATTR = "_moe_replay_router_facts"
@@ -34,12 +35,13 @@ class RouterFacts:
     topk_in_router: bool | None = None
     output_index: dict[bool, int | None] = field(default_factory=dict)
     redirect: dict[bool, int] = field(default_factory=dict)
-    methods: tuple | None = None  # the class's methods they were learned on (`class_methods`): a class patched since
-    # starts afresh
+    # what they were learned on (`watched`): the class's methods and its MoE blocks' forwards; a class or a block
+    # patched since starts afresh
+    watch: tuple | None = None
 
     def __getstate__(self) -> dict:
         """A saved or copied model's facts forget the functions (a patched one may not pickle): relearned on use."""
-        return {**self.__dict__, "methods": None}
+        return {**self.__dict__, "watch": None}
 
 
 def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
@@ -78,31 +80,64 @@ def class_methods(cls: type) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(found.items(), key=lambda item: item[0]))
 
 
-def facts_for(model: nn.Module, classes: Iterable[type]) -> dict[type, RouterFacts]:
-    """The (possibly still empty) facts about each router class in `classes` on `model`: new ones for a class whose
-    methods were replaced since they were learned (a kernel library or a user patching the class between contexts).
+def watched(sites: Iterable[RouterSite]) -> dict[type, tuple]:
+    """Per router class among `sites`, what its facts hold for: its methods (`class_methods`) and, for each MoE block
+    around one of its routers, the block's class, that class's methods and a forward set on the block itself (the
+    block may run its own top-k: `topk_in_router`). Computed as each stretch of contexts opens (a few microseconds).
 
     Example:
-        >>> facts_for(model, {Qwen3MoeTopKRouter})[Qwen3MoeTopKRouter].redirect  # doctest: +SKIP
+        >>> methods, blocks, _ = watched(model_layout(model).sites)[Qwen3MoeTopKRouter]  # doctest: +SKIP
+        >>> blocks  # doctest: +SKIP
+        frozenset({(<class '...Qwen3MoeSparseMoeBlock'>, None)})
+    """
+    found: dict[type, set] = {}
+    for site in sites:
+        found.setdefault(type(site.router), set()).add((type(site.scope), own_forward(site.scope)))
+    blocks = {block: class_methods(block) for keys in found.values() for block, _ in keys}
+    return {cls: (class_methods(cls), frozenset(keys), {b: blocks[b] for b, _ in keys}) for cls, keys in found.items()}
+
+
+def own_forward(module: nn.Module) -> Any:
+    """The forward set on `module` itself, seen through a hub's wrapper (None: it runs its class's)."""
+    value = module.__dict__.get("forward")
+    if value is None:
+        return None
+    if patched_by(value) is not None:
+        value = getattr(value, "__wrapped__", None)
+    if (
+        getattr(value, "__func__", None) is getattr(type(module), "forward", None)
+        and getattr(value, "__self__", None) is module
+    ):
+        return None
+    return value
+
+
+def facts_for(model: nn.Module, watch: dict[type, tuple]) -> dict[type, RouterFacts]:
+    """The (possibly still empty) facts about each router class in `watch` (`watched`) on `model`: new ones for a
+    class whose methods or MoE blocks changed since they were learned (a kernel library or a user patching them
+    between contexts).
+
+    Example:
+        >>> facts_for(model, watched(sites))[Qwen3MoeTopKRouter].redirect  # doctest: +SKIP
         {False: 1}
     """
     facts = router_facts(model)
-    for cls in classes:
-        methods = class_methods(cls)
+    for cls, now in watch.items():
         found = facts.get(cls)
-        if found is None or found.methods != methods:
-            facts[cls] = RouterFacts(methods=methods)
+        if found is None or found.watch != now:
+            facts[cls] = RouterFacts(watch=now)
     return facts
 
 
-def facts_hold(model: nn.Module, classes: Iterable[type]) -> bool:
-    """Whether the facts `model` holds about each class in `classes` were learned on its methods as they are now."""
+def stale(model: nn.Module, watch: dict[type, tuple]) -> list[type]:
+    """The router classes in `watch` (`watched`) whose facts on `model` were not learned on what it holds now.
+
+    Example:
+        >>> stale(model, watched(model_layout(model).sites))  # doctest: +SKIP
+        []
+    """
     facts = router_facts(model)
-    for cls in classes:
-        found = facts.get(cls)
-        if found is None or found.methods != class_methods(cls):
-            return False
-    return True
+    return [cls for cls, now in watch.items() if (found := facts.get(cls)) is None or found.watch != now]
 
 
 def runs_class_methods(router: nn.Module) -> bool:

@@ -23,10 +23,10 @@ from functools import partial
 
 from torch import nn
 
-from ...errors import ForeignThreadError, NestedContextError
+from ...errors import ForeignThreadError, NestedContextError, ReplayError
 from .call import Recorder, Replayer, RouterCall
 from .discover import RouterSite
-from .facts import RouterFacts, facts_for, facts_hold, runs_class_methods, signature_cache
+from .facts import RouterFacts, facts_for, runs_class_methods, signature_cache, stale, watched
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
@@ -112,12 +112,20 @@ class RouterHub:
             except BaseException:
                 hub._patches.undo()
                 raise
-            hub.redirects.refresh()  # (their module may have been patched since the last stretch of contexts)
         elif hub.thread != threading.get_ident():
             raise ForeignThreadError(
                 f"a context cannot open on {type(model).__name__} in this thread while contexts opened in another "
                 "thread are open on it: open and use a model's contexts in one thread"
             )
+        else:  # the open contexts' wrappers stay: what they learned must still hold
+            changed = stale(model, watched(hub.sites))
+            if changed:
+                raise ReplayError(
+                    f"the methods or MoE blocks of router class {', '.join(c.__name__ for c in changed)} were patched "
+                    f"while a moe-replay context was open on {type(model).__name__}: the open contexts run what they "
+                    "hooked; patch the model before opening its contexts (or between them)"
+                )
+        hub.redirects.refresh()  # (the module of a router's forward may have been patched since it was copied)
         if hub.held:
             hub.hand_over()  # what ran before belongs to the contexts open then
         (hub.replayers if replay else hub.recorders).append(handler)
@@ -173,14 +181,14 @@ class RouterHub:
 
     def _install(self) -> None:
         wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
-        classes = {type(s.router) for s in self.sites}
-        if wrapped == self._installed and facts_hold(self.model, classes) and self._patches.redo():
+        watch = watched(self.sites)
+        if wrapped == self._installed and not stale(self.model, watch) and self._patches.redo():
             # the last context's patches, set again as they were (which also means no other hub's patch is on its
             # modules, and no router's class changed since they were set), and no router class's method was patched
             # since its facts were learned: the facts the hub kept still hold
             return
         # the facts about each router's class (a class patched since has none yet), and where to intercept
-        facts = facts_for(self.model, classes)
+        facts = facts_for(self.model, watch)
         self.facts = [facts[type(s.router)] for s in self.sites]
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         wrapped = tuple(self.router_only)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from families import build_tiny_model
+from helpers import perturb
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -130,6 +131,85 @@ def test_a_router_class_helper_patched_between_contexts_is_learned_afresh(monkey
         expected = model(ids).logits
     with torch.no_grad(), replay_routes(model, rec.routes):
         assert torch.equal(model(ids).logits, expected)
+
+
+def biased_block_forward(self, hidden_states):  # noqa: ANN001, ANN201
+    """A Qwen3-MoE block forward that ranks the router's logits itself, with a per-expert bias (as a balancing patch
+    or a fused kernel might): the router's own top-k no longer decides the experts."""
+    B, T, H = hidden_states.shape
+    x = hidden_states.view(-1, H)
+    logits = self.gate(x)[0]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    bias = torch.linspace(-0.3, 0.3, probs.shape[-1])
+    idx = torch.topk(probs + bias, self.gate.top_k, dim=-1).indices
+    return self.experts(x, idx, probs.gather(-1, idx).to(logits.dtype)).reshape(B, T, H)
+
+
+def experts_used(model, ids, context):  # noqa: ANN001, ANN201
+    """The experts each MoE layer's experts module was given [B, T, L, K], in a forward under `context`."""
+    got = []
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, args: got.append(args[1].clone()))
+        for m in model.modules()
+        if type(m).__name__ == "Qwen3MoeExperts"
+    ]
+    try:
+        with torch.no_grad(), context:
+            model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([g.reshape(*ids.shape, -1) for g in got], 2).sort(-1).values
+
+
+@pytest.mark.parametrize("where", ["class", "instance"])
+def test_an_moe_block_forward_patched_between_contexts_is_learned_afresh(monkeypatch, where):
+    """The router class's facts say its top-k runs inside the router, so later contexts wrap the router alone. A block
+    forward patched afterwards that ranks the logits itself must be intercepted again: recorded, the experts the
+    block used; replayed, the experts forced (found by review: the block ran unseen, with no error)."""
+    import types
+
+    model = build_tiny_model("qwen3_moe").eval()
+    ids = torch.randint(5, 100, (2, 6))
+    other = copy.deepcopy(model)
+    perturb(other, scale=1.0)
+    with torch.no_grad(), record_routes(other) as rec:
+        other(ids)
+    routes = rec.routes
+    recorded_layers(model, ids)  # learns that the top-k runs in the router
+    if where == "class":
+        monkeypatch.setattr(model_layout(model).sites[0].scope.__class__, "forward", biased_block_forward)
+    else:
+        for site in model_layout(model).sites:
+            site.scope.forward = types.MethodType(biased_block_forward, site.scope)
+    recorder = record_routes(model)
+    used = experts_used(model, ids, recorder)
+    assert torch.equal(recorder.routes.indices.long().sort(-1).values, used)
+    assert torch.equal(experts_used(model, ids, replay_routes(model, routes)), routes.indices.long().sort(-1).values)
+
+
+def test_a_patch_made_while_a_context_is_open_is_refused_by_a_nested_context_or_copied_as_it_opens(monkeypatch):
+    """The open contexts' wrappers run what they hooked: a nested context refuses a router class or block patched
+    meanwhile, and copies again a module-level name its redirected forward reads (here `F`, patched)."""
+    import types
+
+    model = build_tiny_model("qwen3_moe").eval()
+    ids = torch.randint(5, 100, (2, 6))
+    recorded_layers(model, ids)  # learns the router class (its top-k redirected)
+    block = type(model_layout(model).sites[0].scope)
+    scope = type(model_layout(model).sites[0].router).forward.__globals__
+    F = scope["F"]
+    tripled = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
+    tripled.linear = lambda x, w, b=None: 3 * F.linear(x, w, b)
+    with torch.no_grad(), record_routes(model):
+        monkeypatch.setitem(scope, "F", tripled)
+        with record_routes(model) as rec:
+            expected = model(ids).logits
+        with replay_routes(model, rec.routes):
+            assert torch.equal(model(ids).logits, expected)
+        monkeypatch.setattr(block, "forward", biased_block_forward)
+        with pytest.raises(ReplayError, match="Qwen3MoeTopKRouter were patched while a moe-replay context was open"):
+            record_routes(model).__enter__()
 
 
 def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_saved(tmp_path):
