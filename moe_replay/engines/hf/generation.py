@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,8 @@ def setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = 
 
 
 def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise UnsupportedGenerationError for generate calls whose routes would not line up with `out.sequences`."""
+    """Raise UnsupportedGenerationError for generate calls whose routes would not line up with `out.sequences`
+    (`kwargs`: the call's arguments by name, `call_arguments`)."""
     if (setting(model, kwargs, "num_beams", 1) or 1) > 1:
         raise UnsupportedGenerationError(
             f"moe-replay cannot follow beam search (num_beams={setting(model, kwargs, 'num_beams')}): beams are "
@@ -54,7 +56,7 @@ def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
             "moe-replay follows generate step by step through its KV cache; use_cache=False re-runs every position "
             "at every step: generate with use_cache=True"
         )
-    if not args and kwargs.get("input_ids") is None and kwargs.get("inputs_embeds") is not None:
+    if kwargs.get("input_ids", kwargs.get("inputs")) is None and not args and kwargs.get("inputs_embeds") is not None:
         raise UnsupportedGenerationError(
             "generate(inputs_embeds=...) returns sequences without the prompt, so routes cannot line up with "
             "out.sequences; pass input_ids (or record a plain forward over inputs_embeds)"
@@ -86,19 +88,48 @@ def eos_token_ids(model: nn.Module, kwargs: dict[str, Any]) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
 
 
+def call_arguments(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs`, with `args` named after `func`'s leading positional parameters (`generate(ids, config)` passes its
+    generation config positionally); arguments past those (a wrapper's `*args`) stay unnamed.
+
+    Example:
+        >>> call_arguments(lambda inputs=None, generation_config=None, **kw: None, (1, 2), {"a": 3})
+        {'inputs': 1, 'generation_config': 2, 'a': 3}
+    """
+    if not args:
+        return kwargs
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return kwargs
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    named = dict(zip([p.name for p in params if p.kind in kinds], args, strict=False))
+    named.update(kwargs)
+    return named
+
+
 def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
     """`generate` of a hooked model (`hub`: its RouterHub): refuses modes routes cannot follow, marks its forwards as
     one generation (with `synced_gpus`, forwards past the routes may be dummies), then tells the hub's recorders which
-    streams it made and its `out.sequences`, end-of-sequence ids and prompt mask."""
+    streams it made and its `out.sequences`, end-of-sequence ids and prompt mask. A `generate` that calls another
+    (a wrapper module's calling its model's) is checked at each level, and read at the innermost: its settings and
+    output are the ones that ran."""
+    owner = getattr(inner, "__self__", None)  # the module whose generate this is
 
     def generate(*args: Any, **kwargs: Any) -> Any:
-        if hub.generating:
-            return inner(*args, **kwargs)
-        check_generation(hub.model, args, kwargs)
+        model = hub.model if owner is None else owner
+        named = call_arguments(inner, args, kwargs)
+        check_generation(model, args, named)
+        hub.synced = bool(setting(model, named, "synced_gpus", False))
+        if hub.generating:  # called by an outer generate
+            out = inner(*args, **kwargs)
+            if hub.generated is None:  # (the innermost returns first)
+                hub.generated = (model, named, args, out)
+            return out
         first = hub.tracker.stream + 1
         hub.tracker.cache = GENERATE_START
         hub.generating += 1
-        hub.synced = bool(setting(hub.model, kwargs, "synced_gpus", False))
+        hub.generated = None
         try:
             out = inner(*args, **kwargs)
         except BaseException:  # a generate that raised is not recorded (a retry after an OOM records the retry alone)
@@ -109,12 +140,14 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
             hub.synced = False
             # let go of the generate's KV cache: the next generate may get it emptied, and a kept hub must not hold it
             hub.tracker.cache = None
-        sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            ran, hub.generated = hub.generated, None
+        model, named, args, last = ran or (model, named, args, out)
+        sequences = last if isinstance(last, torch.Tensor) else getattr(last, "sequences", None)
         hub.hand_over()
         if isinstance(sequences, torch.Tensor):
             streams = range(first, hub.tracker.stream + 1)
-            eos, prompt_mask = eos_token_ids(hub.model, kwargs), kwargs.get("attention_mask")
-            ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))  # (out.sequences' start)
+            eos, prompt_mask = eos_token_ids(model, named), named.get("attention_mask")
+            ids = named.get("input_ids", named.get("inputs", args[0] if args else None))  # (out.sequences' start)
             prompt = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
             for rec in hub.recorders:
                 rec.on_generate(streams, sequences, eos, prompt_mask if torch.is_tensor(prompt_mask) else None, prompt)

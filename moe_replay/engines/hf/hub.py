@@ -84,6 +84,7 @@ class RouterHub:
         self.held: list[tuple[Step, list[Taken]]] = []  # steps that returned, not yet handed over (`step_wrapper`)
         self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
         self.generating = 0  # generate calls on the stack (generation.py)
+        self.generated: tuple | None = None  # what the innermost of nested generate calls ran with and returned
         self.synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
 
     def __deepcopy__(self, memo: dict) -> None:

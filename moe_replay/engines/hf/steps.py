@@ -51,8 +51,11 @@ class Step:
         during the forward), as a copy, so that a mask buffer the caller reuses cannot change it afterwards."""
         if self._real is None:
             mask = self.attention
-            if mask is not None:
-                self._real = mask[:, mask.shape[1] - self.length :].to(torch.bool, copy=True)
+            if mask is not None:  # its columns are the stream's positions; a mask made for a cache of fixed size (a
+                # static cache's loop) runs past this step's end, one that covers a window only ends with it
+                end = self.start + self.length
+                columns = mask[:, self.start : end] if mask.shape[1] >= end else mask[:, mask.shape[1] - self.length :]
+                self._real = columns.to(torch.bool, copy=True)
             else:
                 self._real = torch.ones(self.batch, self.length, dtype=torch.bool, device=self.device)
             self.attention = None
@@ -206,6 +209,22 @@ class StepTracker:
         return found
 
 
+def output_cache(out: Any) -> Any:
+    """The KV cache a forward returned: a model output's `cache` (`past_key_values` before transformers 5), or a
+    cache among a tuple's items (`return_dict=False`); None without one.
+
+    Example:
+        >>> output_cache((torch.zeros(1),)) is None
+        True
+    """
+    if isinstance(out, dict):  # (a ModelOutput: read as a dict, its deprecated attribute names warn)
+        found = out.get("cache")
+        return out.get("past_key_values") if found is None else found
+    if isinstance(out, tuple | list):
+        return next((item for item in out if callable(getattr(item, "get_seq_length", None))), None)
+    return None
+
+
 def _forget(owners: dict, key: int, ref: weakref.ref) -> None:
     if key in owners and owners[key][0] is ref:
         del owners[key]
@@ -257,8 +276,8 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             tracker.depth -= 1
             tracker.current = hub.lane_step = None
-        if not step.generating:  # the cache a forward made is its stream's too (`out.past_key_values` fed back)
-            tracker.own(getattr(out, "past_key_values", None))
+        if tracker.cache is None:  # the cache a forward made is its stream's too (`out.cache` fed back)
+            tracker.own(output_cache(out))
         if hub.taken:  # the recorders take the step's router calls, a generate's decode steps `HAND_OVER` at a time
             hub.held.append((step, hub.taken))
             hub.taken = []

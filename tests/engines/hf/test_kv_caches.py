@@ -130,3 +130,47 @@ def test_a_copy_of_the_running_batchs_cache_continues_it_and_no_cache_is_kept_al
         gc.collect()
         assert all(ref() is None for ref in held)
     assert rec.routes.seq_len == 8
+
+
+def test_caches_returned_in_a_tuple_or_made_by_generates_first_forward_are_noted(qwen):
+    """The interleaving check knows a cache a forward returned in a tuple (`return_dict=False`), and one that
+    generate's first forward made itself (MiniMax makes its cache in the model): both were missed (found by
+    review)."""
+    from families import build_tiny_model
+
+    ids, _ = left_padded(2, 5, [0, 0])
+    with torch.no_grad(), record_routes(qwen):
+        _, cache = qwen(ids, use_cache=True, return_dict=False)
+        qwen(ids.flip(1), use_cache=True)
+        with pytest.raises(ValueError, match="of an earlier batch after another batch began"):
+            qwen(ids[:, :1], cache=cache, use_cache=True)
+    minimax = build_tiny_model("minimax").eval()
+    with torch.no_grad(), record_routes(minimax):
+        out = minimax.generate(input_ids=ids, max_new_tokens=1, pad_token_id=PAD, return_dict_in_generate=True)
+        minimax(ids.flip(1))
+        with pytest.raises(ValueError, match="of an earlier batch after another batch began"):
+            minimax(out.sequences[:, -1:], cache=out.past_key_values, use_cache=True)
+
+
+def test_a_mask_preallocated_for_a_static_cache_records_the_steps_own_columns(qwen):
+    """A decode loop over a StaticCache with one [B, max_len] attention mask (1 up to the current token, 0 for the
+    slots to come), as compiled loops keep their shapes fixed: each forward's padding is read from its own columns,
+    not the mask's last ones, which are the slots to come (found by review: every position went unrecorded)."""
+    from transformers import StaticCache
+
+    ids, mask = left_padded(2, 5, [0, 2], seed=2)
+    masks = []
+    for preallocated in (False, True):
+        cache, full = StaticCache(config=qwen.config, max_cache_len=16), torch.zeros(2, 16, dtype=mask.dtype)
+        full[:, :5] = mask
+        grown = mask
+        with torch.no_grad(), record_routes(qwen) as rec:
+            out = qwen(ids, attention_mask=full if preallocated else mask, cache=cache, cache_position=torch.arange(5))
+            for k in range(3):
+                token = out.logits[:, -1:].argmax(-1)
+                full[:, 5 + k] = 1
+                grown = torch.cat([grown, torch.ones(2, 1, dtype=mask.dtype)], 1)
+                given = full if preallocated else grown
+                out = qwen(token, attention_mask=given, cache=cache, cache_position=torch.tensor([5 + k]))
+        masks.append(rec.routes.mask)
+    assert torch.equal(masks[1], masks[0]) and masks[0].sum() == 14 and not masks[0][1, :2].any()
