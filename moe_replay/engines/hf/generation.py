@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -88,22 +87,17 @@ def eos_token_ids(model: nn.Module, kwargs: dict[str, Any]) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
 
 
-def call_arguments(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs`, with `args` named after `func`'s leading positional parameters (`generate(ids, config)` passes its
-    generation config positionally); arguments past those (a wrapper's `*args`) stay unnamed.
+def call_arguments(names: tuple[str, ...] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs`, with `args` named after `names` (a function's leading positional parameters: `generate(ids,
+    config)` passes its generation config positionally); with `names` None (a wrapper's `*args`) they stay unnamed.
 
     Example:
-        >>> call_arguments(lambda inputs=None, generation_config=None, **kw: None, (1, 2), {"a": 3})
+        >>> call_arguments(("inputs", "generation_config"), (1, 2), {"a": 3})
         {'inputs': 1, 'generation_config': 2, 'a': 3}
     """
-    if not args:
+    if not args or not names:
         return kwargs
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):
-        return kwargs
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    named = dict(zip([p.name for p in params if p.kind in kinds], args, strict=False))
+    named = dict(zip(names, args, strict=False))
     named.update(kwargs)
     return named
 
@@ -118,7 +112,7 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         model = hub.model if owner is None else owner
-        named = call_arguments(inner, args, kwargs)
+        named = call_arguments(hub.tracker.positional(inner) if args else None, args, kwargs)
         check_generation(model, args, named)
         hub.synced = bool(setting(model, named, "synced_gpus", False))
         if hub.generating:  # called by an outer generate

@@ -199,6 +199,17 @@ class StepTracker:
         except TypeError:
             pass
 
+    def positional(self, func: Any) -> tuple[str, ...] | None:
+        """The names of `func`'s leading positional parameters (None if it takes *args or has no signature), parsed
+        once per function."""
+        found = self._signatures.get(func)
+        if found is None:
+            try:
+                found = self._signature(func)
+            except (TypeError, ValueError):
+                return None
+        return found[1]
+
     def _signature(self, forward: Any) -> tuple[inspect.Signature, tuple[str, ...] | None]:
         """`forward`'s signature and the names of its leading positional parameters (None if it takes *args), kept."""
         sig = inspect.signature(forward)
