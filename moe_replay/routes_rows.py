@@ -169,8 +169,9 @@ def routes_from_rows(
         picked = t if cols == list(range(C)) else t.index_select(1, select)  # [n, L, K], engine dtype
         lo, hi = layer_range(picked)
         keep = None
-        if bool((lo < 0).any()) or (zeros_empty and K > 1):
-            keep = ~empty_positions(picked, zeros_empty)  # [n]: positions the engine returned nothing real for
+        zeros = zeros_empty and K > 1  # (at K = 1 zero in every layer is a real route too)
+        if zeros or bool((lo < 0).any()):
+            keep = ~empty_positions(picked, zeros)  # [n]: positions the engine returned nothing real for
             if not keep.all():
                 lo, hi = layer_range(picked[keep])
         bad = (lo < 0) | (hi.long() >= experts)

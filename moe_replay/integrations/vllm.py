@@ -10,7 +10,8 @@ Formats, checked against vLLM's source (see docs/engines.md for the files and ve
 - **split** (vLLM 0.21.0, `docs/training/routed_experts_replay.md`): `RequestOutput.prompt_routed_experts`
   (prompt, MoE layers, K) plus `CompletionOutput.routed_experts` (completion - 1, MoE layers, K), int16; the server
   gives both as nested lists (`prompt_routed_experts`, `choices[i].routed_experts`). Prompt positions served from the
-  prefix cache come back zero (or -1): they are left unrecorded here (routed live in a replay).
+  prefix cache come back zero (or -1): they are left unrecorded here (routed live in a replay), as many as
+  `RequestOutput.num_cached_tokens` says (else the leading run of all-zero positions).
 
 With n > 1, a request's completions come in `CompletionOutput.index` order; each holds the prompt's routes.
 
@@ -95,10 +96,37 @@ def _rows_of(out: Any, r: int) -> list[tuple[np.ndarray, bool]]:
                     f"vLLM {where}: prompt routes have (layers, K) = {prompt_routes.shape[1:]} but completion "
                     f"routes {routes.shape[1:]}"
                 )
-            routes = np.concatenate([prompt_routes, routes.astype(prompt_routes.dtype, copy=False)])
+            prompt_part = _cached_unrecorded(prompt_routes, _cached_tokens(out, server))
+            routes = np.concatenate([prompt_part, routes.astype(prompt_part.dtype, copy=False)])
         check_row_length("vLLM", where, routes.shape[0], prompt, completion)
         found.append((routes, prompt_routes is not None))
     return found
+
+
+def _cached_tokens(out: Any, server: bool) -> int | None:
+    """The prompt tokens vLLM served from its prefix cache (`RequestOutput.num_cached_tokens`, or the server's
+    `usage.prompt_tokens_details.cached_tokens`); None where it does not say."""
+    if not server:
+        found = getattr(out, "num_cached_tokens", None)
+    else:
+        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+        found = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return None if found is None else int(found)
+
+
+def _cached_unrecorded(prompt_routes: np.ndarray, cached: int | None) -> np.ndarray:
+    """The split form's prompt routes with the positions its prefix cache served set to -1 (unrecorded): those
+    among the first `cached` whose ids are zero in every layer; without `cached`, the leading run of such positions
+    (the cache serves a prefix). At K = 1 an all-zero position may also be a real route to expert 0 in every layer,
+    so zeros alone cannot tell (found by review: they were replayed as expert 0)."""
+    n = prompt_routes.shape[0]
+    zero = (prompt_routes == 0).reshape(n, -1).all(1)
+    lead = (int(zero.argmin()) if not zero.all() else n) if cached is None else min(cached, n)
+    if not zero[:lead].any():
+        return prompt_routes
+    marked = prompt_routes.astype(np.int32)
+    marked[:lead][zero[:lead]] = -1
+    return marked
 
 
 def _field(choice: Any, key: str) -> Any:

@@ -138,6 +138,30 @@ def test_vllm_prefix_cached_prompt_rows_are_unrecorded(generation):
     assert torch.equal(routes.indices.long().sort(-1).values[m], g.routes.indices.long().sort(-1).values[m])
 
 
+@pytest.mark.parametrize("told", [True, False], ids=["num_cached_tokens", "leading_zeros"])
+def test_vllm_prefix_cached_prompt_rows_of_a_top_1_model_are_unrecorded(told):
+    """At K = 1 an all-zero position may be a real route (expert 0 in every layer), so zeros anywhere cannot mark
+    the positions vLLM served from its prefix cache: the first `num_cached_tokens` zero positions are left unrecorded
+    (without it, the leading run of them), a real route to expert 0 later in the prompt is kept (found by review:
+    cached positions were replayed as expert 0)."""
+    model = tiny_qwen3_moe(top_k=1)
+    ids = torch.tensor([[5, 9, 11, 3, 6, 8]])
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids)
+    prompt_routes = rec.routes.indices[0].numpy().astype(np.int16)  # [6, L, 1]
+    prompt_routes[:3] = 0  # served from the prefix cache
+    prompt_routes[4] = 0  # a real route to expert 0 in every layer
+    completion = SimpleNamespace(index=0, token_ids=[7], routed_experts=np.zeros((0, *prompt_routes.shape[1:])))
+    output = SimpleNamespace(
+        prompt_token_ids=ids[0].tolist(), prompt_routed_experts=prompt_routes, outputs=[completion]
+    )
+    if told:
+        output.num_cached_tokens = 3
+    routes = routes_from_vllm([output], model)
+    assert routes.mask[0].tolist() == [False, False, False, True, True, True]
+    assert torch.equal(routes.indices[0, 3:].long(), torch.from_numpy(prompt_routes[3:]).long())
+
+
 def test_vllm_n_completions_per_request_keep_index_order(generation):
     """n > 1: the completions of one request become consecutive rows in CompletionOutput.index order."""
     r = generation.rows[0]
