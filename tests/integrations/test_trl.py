@@ -189,6 +189,22 @@ def test_refused_settings(tmp_path, kw, match):
         make(tmp_path, mode, **kw)
 
 
+def test_an_extra_stop_token_is_refused_where_trl_would_not_cut_there_and_trains_where_it_does(tmp_path):
+    """generation_kwargs' eos_token_id stops rows at a token TRL does not cut completions at: TRL would train on the
+    padding generate fed after it, which no routes cover (found by review: refused at the first batch with a
+    message about alignment). Set in the model's generation config, TRL cuts there too, and replay trains."""
+    stops = {"eos_token_id": [1, 7], "sequence_bias": {(1,): 2.5, (7,): 2.5}}
+    with pytest.raises(
+        ValueError, match=r"generate stops rows at end tokens \[1, 7\].* cuts completions only at \[1\]"
+    ):
+        make(tmp_path / "a", "rollout", generation_kwargs=stops)
+    model = tiny_policy()
+    model.generation_config.eos_token_id = [1, 7]
+    trainer = make(tmp_path / "b", "rollout", model=model, generation_kwargs={"sequence_bias": stops["sequence_bias"]})
+    trainer.train()
+    assert len(trainer.used) == 2 and all(replayed.mask.any() for replayed, _ in trainer.used)
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [

@@ -70,6 +70,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         super().__init__(*args, **kwargs)
         if routing_replay is not None:
             refuse_settings(self.args, routing_replay)
+            refuse_stop_tokens(getattr(self, "generation_config", None), self.eos_token_ids)
 
     # ---- generation ----------------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):  # noqa: ANN001, ANN202, E501
@@ -269,4 +270,20 @@ def refuse_settings(args: Any, routing_replay: str) -> None:
             f"steps_per_generation={args.steps_per_generation} and gradient_accumulation_steps="
             f"{args.gradient_accumulation_steps} TRL computes no old log-probs (the ratio is exactly 1); use "
             "num_iterations > 1, or routing_replay='rollout'"
+        )
+
+
+def refuse_stop_tokens(config: Any, cut_at: list[int]) -> None:
+    """ValueError if `generate` (run with `config`) stops rows at tokens TRL does not cut completions at (`cut_at`,
+    TRL's `eos_token_ids`): TRL would keep the padding generate fed a stopped row as completion tokens, which no
+    routes (and no sampling) cover."""
+    eos = getattr(config, "eos_token_id", None)
+    stops = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+    extra = sorted(set(stops) - set(cut_at))
+    if extra:
+        raise ValueError(
+            f"routing_replay: generate stops rows at end tokens {stops} (generation_kwargs['eos_token_id']) but TRL "
+            f"cuts completions only at {list(cut_at)}, so it would train on the padding generate fed after tokens "
+            f"{extra}, which were never sampled and have no routes; set them in the model's "
+            "generation_config.eos_token_id instead (TRL then cuts there too)"
         )
