@@ -16,6 +16,7 @@ from .discover import RouterSite
 from .patch import patched_by
 
 ATTR = "_moe_replay_router_facts"
+DESCRIPTORS = (staticmethod, classmethod, property)  # class attributes `class_methods` keeps besides callables
 SIGNATURES = "_moe_replay_forward_signatures"
 
 
@@ -67,17 +68,18 @@ def class_methods(cls: type) -> tuple[tuple[str, Any], ...]:
         >>> class Gate(nn.Linear):
         ...     def score(self, x):
         ...         return x
-        >>> [name for name, _ in class_methods(Gate)]
+        >>> sorted(name for name, _ in class_methods(Gate))
         ['__init__', 'extra_repr', 'forward', 'reset_parameters', 'score']
     """
     found: dict[str, Any] = {}
+    module = nn.Module
     for klass in cls.__mro__:
-        if klass is nn.Module or klass is object:
+        if klass is module or klass is object:
             continue
         for name, value in vars(klass).items():
-            if name not in found and (callable(value) or isinstance(value, staticmethod | classmethod | property)):
+            if name not in found and (callable(value) or isinstance(value, DESCRIPTORS)):
                 found[name] = value
-    return tuple(sorted(found.items(), key=lambda item: item[0]))
+    return tuple(found.items())  # (in definition order: a method patched in place keeps its place)
 
 
 def watched(sites: Iterable[RouterSite]) -> dict[type, tuple]:
@@ -92,9 +94,19 @@ def watched(sites: Iterable[RouterSite]) -> dict[type, tuple]:
     """
     found: dict[type, set] = {}
     for site in sites:
-        found.setdefault(type(site.router), set()).add((type(site.scope), own_forward(site.scope)))
-    blocks = {block: class_methods(block) for keys in found.values() for block, _ in keys}
-    return {cls: (class_methods(cls), frozenset(keys), {b: blocks[b] for b, _ in keys}) for cls, keys in found.items()}
+        scope = site.scope
+        keys = found.get(type(site.router))
+        if keys is None:
+            keys = found[type(site.router)] = set()
+        keys.add((type(scope), own_forward(scope)))
+    blocks: dict[type, tuple] = {}
+    watch = {}
+    for cls, keys in found.items():
+        for block, _ in keys:
+            if block not in blocks:
+                blocks[block] = class_methods(block)
+        watch[cls] = (class_methods(cls), frozenset(keys), {b: blocks[b] for b, _ in keys})
+    return watch
 
 
 def own_forward(module: nn.Module) -> Any:
