@@ -84,12 +84,16 @@ def policy_loss(
         )
     low, high = clip_range(importance_sampling_level, epsilon_low, epsilon_high)
 
+    # in float32 at least: bf16 counts 257 tokens as 256, and cannot hold GSPO's clip band [1 - 3e-4, 1 + 4e-4]
+    dtype = torch.promote_types(logp.dtype, torch.float32)
     mask = mask.to(torch.bool)
-    m = mask.to(logp.dtype)
-    lengths = m.sum(1).clamp_min(1)  # |o_i|
-    adv = advantages.to(logp.dtype)
+    # 0 at padding, even where a log-prob there is -inf (no inf * 0 = NaN, no gradient)
+    logp, old_logp = torch.where(mask, logp.to(dtype), 0.0), torch.where(mask, old_logp.detach().to(dtype), 0.0)
+    m = mask.to(dtype)
+    lengths = mask.sum(1).clamp_min(1).to(dtype)  # |o_i|
+    adv = advantages.to(dtype)
     adv_t = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
-    log_ratio = (logp - old_logp.detach()) * m  # [N, T], 0 at padding
+    log_ratio = logp - old_logp  # [N, T]
 
     ratio = _ratio(logp, log_ratio, lengths, importance_sampling_level)
     clipped = ratio.clamp(1 - low, 1 + high)
@@ -102,6 +106,7 @@ def policy_loss(
         term = term * weights.detach().to(term.dtype)
     if importance_sampling_level == "sequence" and (weights is None or weights.shape[1] == 1):
         per_answer = term[:, 0] if term.shape[1] else term.sum(1)  # one term per answer (equal over t)
+        per_answer = per_answer * mask.any(1)  # an answer without tokens has none (as in GRPO and GSPO-token)
     else:
         per_answer = (term * m).sum(1) / lengths
     loss = -per_answer.mean()
@@ -137,11 +142,12 @@ def clip_fractions(
         >>> flags["region"].float().mean()  # doctest: +SKIP
     """
     low, high = clip_range(importance_sampling_level, epsilon_low, epsilon_high)
+    dtype = torch.promote_types(logp.dtype, torch.float32)  # (as `policy_loss`)
     mask = mask.to(torch.bool)
-    m = mask.to(logp.dtype)
-    log_ratio = (logp - old_logp) * m
-    ratio = _ratio(logp, log_ratio, m.sum(1).clamp_min(1), importance_sampling_level)
-    adv = advantages.to(logp.dtype)
+    logp, old_logp = torch.where(mask, logp.to(dtype), 0.0), torch.where(mask, old_logp.to(dtype), 0.0)
+    log_ratio = logp - old_logp
+    ratio = _ratio(logp, log_ratio, mask.sum(1).clamp_min(1).to(dtype), importance_sampling_level)
+    adv = advantages.to(dtype)
     adv = (adv if adv.dim() == 2 else adv[:, None].expand_as(logp))[mask]
     lo, hi = _clipped(ratio[mask], adv, low, high)
     return {"low": lo, "high": hi, "region": lo | hi, "abs_log_ratio": log_ratio[mask].abs().float()}
@@ -155,7 +161,13 @@ def clip_range(level: str, epsilon_low: float | None, epsilon_high: float | None
         (0.2, 0.3)
     """
     low, high = DEFAULT_EPSILON[level]
-    return (low if epsilon_low is None else epsilon_low), (high if epsilon_high is None else epsilon_high)
+    low, high = (low if epsilon_low is None else epsilon_low), (high if epsilon_high is None else epsilon_high)
+    if not (0 <= low < 1 and high >= 0):
+        raise ValueError(
+            f"the clip band [1 - epsilon_low, 1 + epsilon_high] needs 0 <= epsilon_low < 1 and epsilon_high >= 0, "
+            f"got epsilon_low={low}, epsilon_high={high}"
+        )
+    return low, high
 
 
 def _clipped(r: torch.Tensor, a: torch.Tensor, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,3 +148,45 @@ def test_bad_input():
         policy_loss(x, x, torch.zeros(3), x.bool())
     with pytest.raises(ValueError, match="same"):
         policy_loss(x, torch.zeros(2, 4), torch.zeros(2), x.bool())
+
+
+def test_an_answer_without_tokens_adds_nothing_at_every_level():
+    """Found by review: GSPO counted an all-masked answer as -A_i (its ratio, of no tokens, is 1)."""
+    logp = torch.randn(2, 4)
+    mask = torch.tensor([[True, True, False, False], [False] * 4])
+    adv = torch.tensor([0.0, 2.5])
+    for level in ("token", "sequence", "sequence_token"):
+        loss, _ = policy_loss(logp, logp, adv, mask, importance_sampling_level=level)
+        assert loss.item() == 0.0, level
+
+
+def test_low_precision_inputs_are_computed_in_float32():
+    """bf16 log-probs: |o_i| counted exactly (257, not 256) and GSPO's clip band resolved (a sequence ratio of 1.002
+    is clipped, no gradient), as with the same values in float32; -inf at padding gives no NaN."""
+    T = 257
+    mask = torch.ones(1, T, dtype=torch.bool)
+    zero = torch.zeros(1, T, dtype=torch.bfloat16)
+    loss, _ = policy_loss(zero, zero, torch.ones(1), mask)
+    assert loss.item() == -1.0
+    logp = torch.full((1, 8), 0.002, dtype=torch.bfloat16, requires_grad=True)
+    old = torch.zeros(1, 8, dtype=torch.bfloat16)
+    loss, m = policy_loss(
+        logp, old, torch.ones(1), torch.ones(1, 8, dtype=torch.bool), importance_sampling_level="sequence"
+    )
+    loss.backward()
+    assert m["clip_ratio/high_mean"] == 1.0 and logp.grad.abs().sum() == 0
+    padded = torch.tensor([[-0.5, float("-inf")]], requires_grad=True)
+    for level in ("token", "sequence", "sequence_token"):
+        loss, _ = policy_loss(
+            padded, padded.detach(), torch.ones(1), torch.tensor([[True, False]]), importance_sampling_level=level
+        )
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(padded.grad).all(), level
+
+
+@pytest.mark.parametrize("low, high", [(0.2, -0.5), (1.0, 0.2), (-0.1, 0.2)])
+def test_an_empty_or_inverted_clip_band_is_refused(low, high):
+    with pytest.raises(ValueError, match=f"epsilon_low={low}, epsilon_high={high}"):
+        policy_loss(
+            torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), epsilon_low=low, epsilon_high=high
+        )
