@@ -252,11 +252,27 @@ def check_structure(indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[
         raise ValueError(f"indices have L={L} layers but {len(layers)} LayerInfo were given")
     if mask.device != indices.device:
         raise ValueError(f"mask is on {mask.device} but indices on {indices.device}")
+    return check_layers(layers, K, f"indices have K={K}")
+
+
+def check_layers(layers: Sequence[LayerInfo], K: int, what: str) -> tuple[LayerInfo, ...]:
+    """`layers` as a tuple of `LayerInfo`s with unique names, each of top_k `K` (`what` says whose K it is);
+    raise naming both sides.
+
+    Example:
+        >>> check_layers([LayerInfo("a", 8, 2)], 2, "indices have K=2")
+        (LayerInfo(name='a', num_experts=8, top_k=2),)
+    """
+    layers = tuple(layers)
+    if not all(isinstance(layer, LayerInfo) for layer in layers):
+        raise ValueError(f"layers must be LayerInfo objects, got {[type(x).__name__ for x in layers]}")
     for layer in layers:
         if layer.top_k != K:
-            raise ValueError(f"layer {layer.name!r} has top_k={layer.top_k} but indices have K={K}")
-    if len({layer.name for layer in layers}) != len(layers):
-        raise ValueError("layer names must be unique")
+            raise ValueError(f"layer {layer.name!r} has top_k={layer.top_k} but {what}")
+    names = [layer.name for layer in layers]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ValueError(f"layer names must be unique, but {twice!r} appears {names.count(twice)} times")
     return layers
 
 

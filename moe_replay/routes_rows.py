@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .routes import LayerInfo, Routes, index_dtype
+from .routes import LayerInfo, Routes, check_layers, index_dtype
 from .routes_check import check_ids
 
 DECODER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -53,6 +53,13 @@ def engine_columns(layers: Sequence[LayerInfo], num_columns: int) -> list[int]:
         raise ValueError(
             f"layer {layers[found.index(max(found))].name!r} is decoder layer {max(found)} but the engine returned "
             f"{num_columns} layer columns"
+        )
+    twice = next((c for c in found if found.count(c) > 1), None)
+    if twice is not None:
+        names = [layer.name for layer, c in zip(layers, found, strict=True) if c == twice]
+        raise ValueError(
+            f"layers {names} all name decoder layer {twice}, whose one engine column cannot hold both: pass "
+            "`columns` to say which column each layer takes"
         )
     return found
 
@@ -136,6 +143,8 @@ def routes_from_rows(
     B = len(rows)
     if not layers:
         raise ValueError("Routes.from_rows needs at least one LayerInfo")
+    K = getattr(layers[0], "top_k", None)
+    check_layers(layers, K, f"layer {getattr(layers[0], 'name', None)!r} has top_k={K}")
     pads = pad_offsets(pad_left, B)
     tensors = [as_tensor(r) for r in rows]
     for i, t in enumerate(tensors):
@@ -172,6 +181,8 @@ def routes_from_rows(
         zeros = zeros_empty and K > 1  # (at K = 1 zero in every layer is a real route too)
         if zeros or bool((lo < 0).any()):
             keep = ~empty_positions(picked, zeros)  # [n]: positions the engine returned nothing real for
+            if not keep.any():
+                continue  # (a row with no real route: nothing recorded)
             if not keep.all():
                 lo, hi = layer_range(picked[keep])
         bad = (lo < 0) | (hi.long() >= experts)

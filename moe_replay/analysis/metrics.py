@@ -102,7 +102,7 @@ def expert_change(before: Routes, after: Routes, *, label: str = "before vs afte
             f"Routes over different tokens or layers: before has [B, T, L, K] = {list(before.shape)}, "
             f"after has {list(after.shape)}"
         )
-    if before.layer_names != after.layer_names:
+    if before.layers != after.layers:  # (names, E and K: ids of E=8 and E=300 experts are not the same experts)
         raise ValueError(f"Routes over different layers: {layer_diff(before.layers, after.layers)}")
     if before.device != after.device:
         raise ValueError(f"before is on {before.device}, after on {after.device}: move one with .to()")

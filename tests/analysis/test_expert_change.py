@@ -71,6 +71,8 @@ def test_mismatched_routes_name_the_difference():
         expert_change(a, routes([[[[0, 1]], [[0, 1]]]]))
     with pytest.raises(ValueError, match="different layers"):
         expert_change(a, routes([[[[0, 1]]]], names=["other"]))
+    with pytest.raises(ValueError, match="num_experts=8.* vs .*num_experts=300"):  # found by review: compared
+        expert_change(routes([[[[0, 1]]]], E=8), routes([[[[0, 1]]]], E=300))
     with pytest.raises(ValueError, match="no position is recorded in both"):
         expert_change(a, routes([[[[0, 1]]]], mask=[[False]]))
 

@@ -196,6 +196,23 @@ def test_from_rows_places_rows_at_their_offsets():
         Routes.from_rows(rows, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], pad_left=[3, 0], seq_len=4)
 
 
+def test_from_rows_refuses_layers_it_cannot_hold_and_keeps_rows_without_routes():
+    """Found by review: layers of different K, a repeated name, or two layers naming one decoder layer's engine
+    column were accepted (the last two got one column's routes each); a row with no real route crashed."""
+    gate = LayerInfo("model.layers.0.mlp.gate", 4, 2)
+    row = np.array([[[0, 1], [2, 3]]], dtype=np.int32)
+    with pytest.raises(ValueError, match="has top_k=1 but layer 'model.layers.0.mlp.gate' has top_k=2"):
+        Routes.from_rows([row], [gate, LayerInfo("model.layers.1.mlp.gate", 4, 1)])
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.gate' appears 2 times"):
+        Routes.from_rows([row], [gate, gate])
+    two = [LayerInfo("model.layers.1.self_attn.router", 4, 2), LayerInfo("model.layers.1.mlp.router", 4, 2)]
+    with pytest.raises(ValueError, match="all name decoder layer 1"):
+        Routes.from_rows([np.zeros((1, 3, 2), dtype=np.int32)], two)
+    empty = np.full((2, 1, 2), -1, dtype=np.int32)
+    r = Routes.from_rows([empty, np.array([[[0, 1]]], dtype=np.int32)], [gate], seq_len=2)
+    assert r.mask.tolist() == [[False, False], [True, False]]
+
+
 def test_errors_name_both_sides(generation):
     g = generation
     outputs = vllm_outputs(g)
