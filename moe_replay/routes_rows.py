@@ -119,6 +119,8 @@ def pad_offsets(pad_left: Sequence[int] | torch.Tensor | None, rows: int) -> lis
     if torch.is_tensor(pad_left):
         pad_left = pad_left.tolist()
     pads = [0] * rows if pad_left is None else [int(p) for p in pad_left]
+    if pad_left is not None and any(p != q for p, q in zip(pads, pad_left, strict=False)):
+        raise ValueError(f"pad_left must hold whole numbers of positions, got {list(pad_left)}")
     if len(pads) != rows:
         raise ValueError(f"pad_left has {len(pads)} offsets for {rows} rows")
     return pads

@@ -211,6 +211,8 @@ def test_from_rows_refuses_layers_it_cannot_hold_and_keeps_rows_without_routes()
     empty = np.full((2, 1, 2), -1, dtype=np.int32)
     r = Routes.from_rows([empty, np.array([[[0, 1]]], dtype=np.int32)], [gate], seq_len=2)
     assert r.mask.tolist() == [[False, False], [True, False]]
+    with pytest.raises(ValueError, match=r"whole numbers of positions, got \[1.7\]"):
+        Routes.from_rows([row[:, :1]], [gate], pad_left=[1.7])
 
 
 def test_errors_name_both_sides(generation):
