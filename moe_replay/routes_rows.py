@@ -19,7 +19,7 @@ import torch
 from .routes import LayerInfo, Routes, check_layers, index_dtype
 from .routes_check import check_ids
 
-DECODER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+DECODER_INDEX = re.compile(r"(?:^|\.)(?<!mtp\.)layers\.(\d+)\.")  # (not a multi-token-prediction layer's)
 
 
 def decoder_index(name: str) -> int | None:

@@ -18,7 +18,7 @@ from ..routes import LayerInfo
 def layers_of(model: nn.Module | Sequence[LayerInfo]) -> tuple[LayerInfo, ...]:
     """The MoE layers (names, E, K, in forward order) of a trainer model, or `model` itself if it is a list of
     `LayerInfo`. A Hugging Face model runs one no-grad forward of one token under `record_routes` to learn them;
-    a megatron-core model lists its routers.
+    a megatron-core model lists its routers, except multi-token-prediction ones (a replay routes those live).
 
     Example:
         >>> layers_of(model)[0]  # doctest: +SKIP
@@ -31,10 +31,10 @@ def layers_of(model: nn.Module | Sequence[LayerInfo]) -> tuple[LayerInfo, ...]:
         return layers
     from ..engines import megatron
 
-    if megatron.is_megatron_model(model):
-        from ..engines.megatron.routers import find_routers
+    if megatron.is_megatron_model(model):  # (without its multi-token-prediction routers: engines do not run them)
+        from ..engines.megatron.routers import find_routers, is_mtp
 
-        return tuple(site.info for site in find_routers(model))
+        return tuple(site.info for site in find_routers(model) if not is_mtp(site.name))
     from ..analysis import teacher_forced_routes
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

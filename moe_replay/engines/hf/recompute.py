@@ -20,13 +20,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import ReplayError
 from ..autograd import inside_reentrant_checkpoint
+from ..fingerprint import FINGERPRINT, matches
+from ..fingerprint import fingerprint as tensor_fingerprint
 from .call import Plan, RouterCall
 from .steps import Step
 
-FINGERPRINT = 64  # elements of the router input kept per queued call to tell calls apart
-GOLDEN = (5**0.5 - 1) / 2  # the step between them, as a fraction of the input's size (`fingerprint`)
 KEEP_DONE = 16  # recomputed calls kept per router for a second recompute (retain_graph, nested checkpoints)
-MATCH_RTOL = 1e-3  # a recompute reproduces its forward's input up to nondeterministic kernels
 
 
 def will_be_recomputed(step: Step) -> bool:
@@ -43,27 +42,9 @@ def will_be_recomputed(step: Step) -> bool:
 
 
 def fingerprint(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """`FINGERPRINT` elements of the call's first tensor input (a float32 copy), or None without one.
-
-    They are spread over rows, positions and features alike: element k * round(n (sqrt(5) - 1) / 2) mod n of the n
-    (a golden-ratio sequence, picked on the input's device). Evenly spaced ones lined up with the rows (at B = 64, the
-    first position of each row, alike across batches that share their first token). Its ops run outside any dispatch
-    mode, so that selective activation checkpointing neither saves nor expects them.
-
-    Example:
-        >>> fingerprint((torch.arange(8.0).reshape(2, 4),), {}).tolist()
-        [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
-    """
+    """The fingerprint (fingerprint.py) of the call's first tensor input, or None without one."""
     x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-    if x is None or x.numel() == 0:
-        return None
-    with _disable_current_modes(), torch.no_grad():
-        flat, n = x.detach().reshape(-1), x.numel()
-        if n <= FINGERPRINT:
-            return flat.float().clone()
-        step = round(n * GOLDEN)
-        picks = torch.arange(FINGERPRINT, device=flat.device).mul_(step).remainder_(n)
-        return flat[picks].float()
+    return None if x is None else tensor_fingerprint(x)
 
 
 @dataclass
@@ -111,7 +92,7 @@ class RecomputeQueue:
             return None
         fp = fingerprint(args, kwargs)
         for pool, first in ((self.items, True), (self.done, False)):
-            hits = [k for k, p in enumerate(pool) if _close(p.fingerprint, fp)]
+            hits = [k for k, p in enumerate(pool) if matches(p.fingerprint, fp)]
             if not hits:
                 continue
             if len(hits) > 1 and not _equal_plans([pool[k].plan for k in hits]):
@@ -131,15 +112,6 @@ class RecomputeQueue:
             f"{len(self.items)} replayed calls waiting for their recompute: cannot tell which forward it re-runs "
             "(the model or its inputs changed since the forward?)"
         )
-
-
-def _close(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None or a.shape != b.shape:
-        return False
-    with _disable_current_modes(), torch.no_grad():
-        b = b.to(a.device)
-        scale = float(a.abs().max()) or 1.0
-        return float((a - b).abs().max()) <= MATCH_RTOL * scale
 
 
 def _equal_plans(plans: list[Plan]) -> bool:

@@ -1,8 +1,9 @@
 """`replay_routes` on megatron-core models: before each router call the rows for that call are handed to
 `RouterReplay` (REPLAY_FORWARD); its scores are gathered at the replayed experts, so the router keeps its gradient.
 Activation recompute runs the first forward of a checkpointed block without grad inside a forward with grad; those
-calls queue their rows, and when the backward re-runs them they switch to REPLAY_BACKWARD and take the rows of the
-forward they recompute, in order. Positions the routes mark as not recorded (padding) route live.
+calls queue their rows with a fingerprint of the router input, and when the backward re-runs them they switch to
+REPLAY_BACKWARD and take the rows of the forward whose input the recompute reproduces, in any backward order.
+Positions the routes mark as not recorded (padding) route live.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import Routes
 from ..autograd import in_backward
+from ..fingerprint import FINGERPRINT, fingerprint, matches
 from .context import RouterReplayContext, Site, tp_split
 from .pipeline import stage_columns
-from .routers import pipelined
+from .routers import is_mtp, pipelined
 from .rows import routes_to_rows
 
 
@@ -41,15 +43,23 @@ class MegatronRouteReplayer(RouterReplayContext):
         self._rows: list[dict[str, torch.Tensor]] = []  # per Routes: router name -> [T, B, K] int64
         self._masks: list[torch.Tensor] = []  # per Routes: [T, B] bool, sequence-major like Megatron's rows
         self._complete: list[bool] = []  # per Routes: every position recorded
-        for r in self.routes if self.per_forward else [self.routes]:
-            shapes = {s.name: (s.info.num_experts, s.info.top_k) for s in sites}
+        given = self.routes if self.per_forward else [self.routes]
+        # multi-token-prediction routers route live when the routes hold no such layer (a rollout engine's): they
+        # act after the main head, so the policy's log-probs do not depend on them
+        covers = {any(is_mtp(layer.name) for layer in r.layers) for r in given}
+        if len(covers) > 1:
+            raise ReplayError("some of the Routes hold multi-token-prediction layers and some do not: pass alike ones")
+        self._live = set() if covers.pop() else {s.name for s in sites if is_mtp(s.name)}
+        replayed = [s for s in sites if s.name not in self._live]
+        for r in given:
+            shapes = {s.name: (s.info.num_experts, s.info.top_k) for s in replayed}
             if pipelined(sites[0].router.config):  # a stage: the whole model's routes, or its own part
-                columns = stage_columns(sites, r.layers, self._owner(), shapes)
+                columns = stage_columns(replayed, r.layers, self._owner(), shapes)
             else:
-                columns = match_layers([s.name for s in sites], r.layers, self._owner(), shapes)
+                columns = match_layers([s.name for s in replayed], r.layers, self._owner(), shapes)
             T, B = r.seq_len, r.batch_size
             rows = routes_to_rows(r)  # unrecorded positions get valid ids (they route live anyway)
-            self._rows.append({s.name: rows[columns[s.name]].reshape(T, B, -1) for s in sites})
+            self._rows.append({s.name: rows[columns[s.name]].reshape(T, B, -1) for s in replayed})
             self._masks.append(r.mask.transpose(0, 1))
             self._complete.append(bool(r.mask.all()))  # once here, not a device sync per router call
         self._consumed = False
@@ -81,7 +91,11 @@ class MegatronRouteReplayer(RouterReplayContext):
         def hook(module: nn.Module, args: Any) -> None:
             rr = module.router_replay
             site.used = False
-            if in_backward():  # activation recompute: the rows of the forward being recomputed, in order
+            if site.name in self._live:  # (a multi-token-prediction router the routes do not cover)
+                site.mask = None
+                rr.set_router_replay_action(None)
+                return
+            if in_backward():  # activation recompute: the rows of the forward it re-runs, in any backward order
                 if not site.pending:
                     raise ReplayError(
                         f"router {site.name!r} is recomputed in the backward but no replayed forward awaits it: "
@@ -91,7 +105,11 @@ class MegatronRouteReplayer(RouterReplayContext):
                     raise ReplayError(
                         f"router {site.name!r}: megatron's REPLAY_BACKWARD queue was changed from outside the context"
                     )
-                rows, site.mask = site.pending.pop(0)
+                k = recomputed_call(site, fingerprint(args[0]))
+                if k:  # megatron's queue hands its first rows to the recompute: these first
+                    site.pending.insert(0, site.pending.pop(k))
+                    rr.replay_backward_list.insert(0, rr.replay_backward_list.pop(k))
+                rows, site.mask, _ = site.pending.pop(0)
                 if rows.shape[0] != args[0].shape[0] * args[0].shape[1]:
                     raise ReplayError(f"router {site.name!r}: the recompute's shape differs from its forward's")
                 rr.set_router_replay_action(backward)
@@ -102,7 +120,7 @@ class MegatronRouteReplayer(RouterReplayContext):
             # Activation recompute runs the first forward of a checkpointed block without grad inside a forward
             # that has it: exactly the calls the backward will re-run.
             if self._grad_forward[site.chunk] and not torch.is_grad_enabled():
-                site.pending.append((rows, site.mask))
+                site.pending.append((rows, site.mask, fingerprint(args[0])))
             else:  # this call is never recomputed: keep Megatron's backward queue in step with ours
                 rr.replay_backward_list.pop()
 
@@ -120,6 +138,42 @@ class MegatronRouteReplayer(RouterReplayContext):
             )
         if not self._consumed:
             raise ReplayError("the routes were never replayed: no router ran inside `with replay_routes(...)`")
+        if self.per_forward:  # the n-th forward took the n-th Routes: as many forwards as Routes, in every chunk
+            ran = {self._forwards[s.chunk] for s in self.sites}
+            if ran != {len(self._rows)}:
+                raise ReplayError(
+                    f"routes were given for {len(self._rows)} forwards but {min(ran)} ran: the n-th forward took the "
+                    "n-th Routes, so with fewer forwards they took other micro-batches' routes; pass one Routes per "
+                    "forward"
+                )
+
+
+def recomputed_call(site: Site, found: torch.Tensor | None) -> int:
+    """Which of `site`'s queued calls a recompute whose router input has fingerprint `found` re-runs (the oldest of
+    those that match, if they hold the same rows); raise `ReplayError` if none matches, or several with other rows.
+
+    Example:
+        >>> recomputed_call(site, fingerprint(hidden_states))  # doctest: +SKIP
+        0
+    """
+    hits = [k for k, (_, _, fp) in enumerate(site.pending) if matches(fp, found)]
+    if not hits:
+        raise ReplayError(
+            f"router {site.name!r} is recomputed in the backward but its input matches none of the "
+            f"{len(site.pending)} replayed calls waiting for their recompute (the model or its inputs changed since "
+            "the forward?)"
+        )
+    first = site.pending[hits[0]]
+    for k in hits[1:]:
+        rows, mask, _ = site.pending[k]
+        same = torch.equal(rows, first[0]) and (mask is None) == (first[1] is None)
+        if not same or (mask is not None and not torch.equal(mask, first[1])):
+            raise ReplayError(
+                f"router {site.name!r} is recomputed in the backward and {FINGERPRINT} sampled elements of its input "
+                f"match those of {len(hits)} waiting replayed calls with different routes: cannot tell which forward "
+                "it re-runs; run each backward before the next forward"
+            )
+    return hits[0]
 
 
 def replay_routes(model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes]) -> MegatronRouteReplayer:

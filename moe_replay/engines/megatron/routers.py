@@ -5,6 +5,7 @@ its modules locally, so every router is named by its global layer number and kno
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +41,24 @@ class Site:
     chunk: int = 0  # which of the given modules (virtual-pipeline chunks) holds it
     position: int = 0  # global MoE-layer index: its column in the whole model's Routes
     saved: tuple = ()
-    pending: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # awaiting recompute
+    # awaiting recompute: (rows, mask, fingerprint of the router input)
+    pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = field(default_factory=list)
     mask: torch.Tensor | None = None  # [S_local * B] bool for the current call (False: route live; None: all)
     used: bool = False
+
+
+MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.\d+\.")
+
+
+def is_mtp(name: str) -> bool:
+    """Whether a router belongs to a multi-token-prediction layer (`mtp.layers.<i>.`), which rollout engines do not
+    run: their routes hold no column for it.
+
+    Example:
+        >>> is_mtp("mtp.layers.0.transformer_layer.mlp.router"), is_mtp("decoder.layers.0.mlp.router")
+        (True, False)
+    """
+    return MTP_LAYER.search(name) is not None
 
 
 def pipelined(config: Any) -> bool:

@@ -1,0 +1,117 @@
+"""Megatron-core replay that must not depend on the order things run in: recomputes in any backward order take their
+own forward's routes, a list of Routes is used up by exactly as many forwards, and rollout-engine routes (no
+multi-token-prediction column) leave the MTP router live. Each was silently wrong before (found by review)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
+
+from helpers import free_port  # noqa: E402
+from megatron_utils import EXPERTS, HIDDEN, TOP_K, VOCAB, batch, megatron_cpu, perturb_routers, set_weights, tiny_gpt  # noqa: E402
+
+from moe_replay import ReplayError  # noqa: E402
+from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
+from moe_replay.integrations.vllm import routes_from_vllm  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_process():
+    with megatron_cpu(port=free_port()):
+        yield
+
+
+def grads(model):  # noqa: ANN001, ANN201
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("order", ["reversed", "summed"])
+def test_recomputes_in_any_backward_order_take_their_own_forwards_routes(order):
+    """Two micro-batches forward under full recompute, then their backwards in reverse order, or as one summed loss
+    (autograd's order): each recompute takes the routes of the forward whose input it reproduces; megatron's own
+    queue hands them out first in, first out (found by review: 57 gradients wrong, no error)."""
+    plain = tiny_gpt()
+    ckpt = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    micro = [batch(b=2, s=10, seed=s) for s in (0, 1)]
+    routes = []
+    for tokens, pos, mask, _ in micro:
+        with record_routes(plain) as rec:
+            plain(tokens, pos, mask)
+        routes.append(rec.routes)
+    for model in (plain, ckpt):
+        perturb_routers(model)
+
+    def run(model):  # noqa: ANN001, ANN202
+        model.zero_grad(set_to_none=True)
+        with replay_routes(model, routes):
+            losses = [model(t, p, m, labels=y).mean() for t, p, m, y in micro]
+            if order == "reversed":
+                for loss in reversed(losses):
+                    loss.backward()
+            else:
+                sum(losses).backward()
+        return grads(model)
+
+    want, got = run(plain), run(ckpt)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_more_routes_than_forwards_is_refused():
+    """A list of three Routes used by two forwards gave them the first two micro-batches' routes."""
+    model = tiny_gpt()
+    micro = [batch(b=2, s=8, seed=s) for s in (0, 1, 2)]
+    routes = []
+    for tokens, pos, mask, _ in micro:
+        with record_routes(model) as rec:
+            model(tokens, pos, mask)
+        routes.append(rec.routes)
+    with pytest.raises(ReplayError, match="routes were given for 3 forwards but 2 ran"):
+        with torch.no_grad(), replay_routes(model, routes):
+            for tokens, pos, mask, _ in micro[1:]:
+                model(tokens, pos, mask)
+
+
+def test_rollout_routes_leave_the_multi_token_prediction_router_live():
+    """vLLM returns one column per decoder layer and none for an MTP layer: the import holds the decoder layers only
+    (it gave the MTP router decoder layer 0's column), and the replay routes the MTP router live, so a model replaying
+    its own decoder routes gets its own gradients."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=128, num_moe_experts=EXPERTS,
+        moe_router_topk=TOP_K, moe_ffn_hidden_size=64, moe_token_dispatcher_type="allgather",
+        moe_enable_routing_replay=True, add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0, mtp_num_layers=1,
+    )  # fmt: skip
+    spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+    )  # fmt: skip
+    set_weights(model, 0)
+    tokens, pos, mask, labels = batch(b=2, s=8)
+    with record_routes(model) as rec:
+        model(tokens, pos, mask, labels=labels).mean().backward()
+    own, expected = rec.routes, grads(model)
+    assert own.layer_names[-1].startswith("mtp.layers.0.")
+    model.zero_grad(set_to_none=True)
+    outputs = [
+        SimpleNamespace(
+            prompt_token_ids=list(range(7)),
+            outputs=[SimpleNamespace(index=0, token_ids=[0, 1], routed_experts=own.indices[b, :, :2].numpy())],
+        )
+        for b in range(2)
+    ]
+    imported = routes_from_vllm(outputs, model)
+    assert imported.layer_names == own.layer_names[:2]
+    with replay_routes(model, imported):
+        model(tokens, pos, mask, labels=labels).mean().backward()
+    got = grads(model)
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
