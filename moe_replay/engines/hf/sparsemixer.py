@@ -4,9 +4,12 @@ In eval mode the picks are the indices of two `max(..., keepdim=True)` calls: th
 the first pick masked out; each value is also the threshold that masks far-away experts. In training mode each pick
 is a Gumbel sample (`max(dim=-1)` without keepdim) between a threshold `max` and a Heun-midpoint `max`.
 
-Replay forces the picks to the recorded experts and the thresholds to the recorded experts' scores (so the mask is
-taken relative to the expert that is used, as it is live); the midpoint calls run live. The family's own softmax and
-its custom backward (PhimoeMultiplier) then run on live scores.
+Replay forces the picks to the recorded experts. In eval mode a threshold is its pick, so it is forced to the
+recorded expert's score too (the mask is taken relative to the expert that is used, as it is live). In training the
+threshold is the live top score, as it was when the pick was sampled; only where that would mask the recorded expert
+out (its score more than 2·jitter_eps below, relative to the larger magnitude: a policy that moved since) is the
+threshold its score, so that it stays selectable. The midpoint calls run live. The family's own softmax and its
+custom backward (PhimoeMultiplier) then run on live scores.
 """
 
 from __future__ import annotations
@@ -45,6 +48,17 @@ def slot_of(counts: list[int], keepdim: bool, training: bool) -> tuple[int | Non
     return j, True  # Gumbel sample
 
 
+def kept_threshold(func: Any, args: tuple, kwargs: dict, indices: torch.Tensor, mask: torch.Tensor, eps: float):
+    """A training-mode threshold `max(x, dim=-1, keepdim=True)`: the live top score, or the recorded expert's
+    (`indices` [N]) where the live one would mask it out; live where `mask` is False (see the module docstring)."""
+    x = args[0]
+    values, live = func(*args, **kwargs)
+    recorded = x.gather(-1, indices.to(x.device).reshape(*x.shape[:-1], 1))
+    masked_out = ((values - recorded) / recorded.abs().clamp(min=values)) > (2 * eps)
+    masked_out &= mask.to(x.device).reshape(*x.shape[:-1], 1)
+    return torch.return_types.max((torch.where(masked_out, recorded, values), live))
+
+
 def forced_max(func: Any, args: tuple, kwargs: dict, indices: torch.Tensor, mask: torch.Tensor, all_recorded: bool):
     """`max(x, dim=-1[, keepdim])` with the recorded expert `indices` [N] (live where `mask` is False)."""
     x, _, keepdim = max_args(args, kwargs)
@@ -78,11 +92,15 @@ class SparsemixerPicks(Selector):
         n = call.step.tokens
         if dim not in (-1, x.dim() - 1) or x.numel() != n * x.shape[-1]:
             return func(*args, **kwargs)
-        slot, is_pick = slot_of(self.counts, keepdim, call.site.router.training)
+        slot, is_pick = slot_of(self.counts, keepdim, call.site.router.training)  # (threshold: not a pick)
         plan = call.plan
         if slot is None or (plan is not None and (slot >= plan.top_k or x.shape[-1] != plan.num_experts)):
             return func(*args, **kwargs)
-        if plan is not None:
+        training = call.site.router.training
+        if plan is not None and training and not is_pick:  # a training-mode threshold: live, unless it masks the pick
+            eps = float(getattr(call.site.router, "router_jitter_noise", 0.0) or 0.0)
+            out = kept_threshold(func, args, kwargs, plan.indices[:, slot], plan.mask, eps)
+        elif plan is not None:
             out = forced_max(func, args, kwargs, plan.indices[:, slot], plan.mask, plan.all_recorded)
             self.replaced += is_pick
         else:
