@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from ..engines.hf import record_routes
+from ..engines.hf.hub import open_replays
+from ..errors import ReplayError
 from ..routes import Routes
 from .metrics import ExpertChange, expert_change
 
@@ -19,19 +21,27 @@ def teacher_forced_routes(
     *,
     position_ids: torch.Tensor | None = None,
 ) -> Routes:
-    """Record the routes of one no-grad teacher-forced forward over `sequences` [B, T], in eval mode (no dropout or
-    router noise; the model's mode is restored).
+    """Record the live routes of one no-grad teacher-forced forward over `sequences` [B, T], in eval mode (no dropout
+    or router noise; each module's mode is restored). Raises `ReplayError` inside an open `replay_routes` on the model,
+    where it would record the replayed experts.
 
     Example:
         >>> routes = teacher_forced_routes(model, out.sequences, mask)  # doctest: +SKIP
     """
-    was_training = model.training
+    if open_replays(model):
+        raise ReplayError(
+            f"teacher_forced_routes records {type(model).__name__}'s live routes, but a replay_routes context is open "
+            "on it, so it would record the replayed experts: call it (or measure_update_drift / measure_mismatch) "
+            "outside the replay, e.g. after loss.backward()"
+        )
+    modes = [(m, m.training) for m in model.modules()]  # (train(mode) would set every submodule to one mode)
     model.eval()
     try:
         with torch.no_grad(), record_routes(model) as rec:
             model(sequences, attention_mask=attention_mask, position_ids=position_ids)
     finally:
-        model.train(was_training)
+        for module, mode in modes:
+            module.training = mode
     return rec.routes
 
 

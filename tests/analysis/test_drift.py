@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 import torch
-from helpers import extend_mask, left_padded, sampled, tiny_qwen3_moe
+from helpers import extend_mask, left_padded, recorded, sampled, tiny_qwen3_moe
 
-from moe_replay import measure_mismatch, measure_update_drift, teacher_forced_routes
+from moe_replay import ReplayError, measure_mismatch, measure_update_drift, replay_routes, teacher_forced_routes
 from moe_replay.cli import main
 
 
@@ -62,3 +63,19 @@ def test_drift_command(tmp_path, capsys):
     assert set(frame.metric) == {"fraction", "set_changed", "token_changed"}
     overall = frame.query("layer == 'all' and position_bucket == 'all' and metric == 'fraction'").value.item()
     assert 0.0 < overall < 1.0
+
+
+def test_teacher_forced_routes_refuse_an_open_replay_and_keep_each_modules_mode():
+    """Found by review: inside an open replay it recorded the replayed experts (a drift of 0.04 where the live one
+    was 0.71), and restoring the model's mode set every submodule to it (a layer put in eval came back training)."""
+    model = tiny_qwen3_moe()
+    ids, mask = left_padded(2, 6, [0, 1])
+    routes = recorded(model, ids, mask)
+    with replay_routes(model, routes):
+        with pytest.raises(ReplayError, match="a replay_routes context is open on it"):
+            teacher_forced_routes(model, ids, mask)
+        model(ids, attention_mask=mask)  # (the replay is used)
+    model.train()
+    model.model.layers[0].eval()
+    teacher_forced_routes(model, ids, mask)
+    assert model.training and model.model.layers[1].training and not model.model.layers[0].training

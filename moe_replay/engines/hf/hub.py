@@ -239,3 +239,14 @@ class RouterHub:
         for step, taken in held:
             for rec in self.recorders:
                 rec.record_step(step, taken)
+
+
+def open_replays(model: nn.Module) -> int:
+    """How many `replay_routes` contexts are open on `model` (a recording inside them records the replayed experts).
+
+    Example:
+        >>> open_replays(nn.Linear(2, 2))
+        0
+    """
+    hub = model.__dict__.get(MARKER)
+    return len(hub.replayers) if isinstance(hub, RouterHub) and hub.model is model else 0
