@@ -1,8 +1,8 @@
 """Instance-level attributes that undo themselves: how the hub hooks a model without touching its class.
 
-Every patched module also gets an instance `__deepcopy__` that copies it with the patches suspended, so that
-`copy.deepcopy` of a model (or of a part of it) while a context is open gives a clean, independent model: no
-patched methods that still call the original, no hub.
+Every patched module also gets an instance `__deepcopy__` and `__reduce_ex__` that copy or pickle it with the
+patches suspended, so that `copy.deepcopy`, `copy.copy` or `torch.save` of a model (or of a part of it) while a
+context is open gives a clean, independent model: no patched methods that still call the original, no hub.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class Patches:
         if id(module) not in self._copyable:
             self._copyable.add(id(module))
             self.set(module, "__deepcopy__", functools.partial(self._deepcopy, module))
+            self.set(module, "__reduce_ex__", functools.partial(self._reduce, module))
 
     def patch(self, module: nn.Module, attr: str, make: Callable[[Any], Any], kept: dict | None = None) -> None:
         """Set `module.<attr>` to `make(current method)`, marked with the owner; restored by `undo`. With `kept`
@@ -142,6 +143,15 @@ class Patches:
         with self.suspended():
             return copy.deepcopy(module, memo)
 
+    def _reduce(self, module: nn.Module, protocol: int) -> Any:
+        """`module.__reduce_ex__` (pickling, `torch.save`, `copy.copy`): its reduction with the patches suspended, its
+        state copied as it is then, so that a saved or copied model holds no patched method and no hub."""
+        with self.suspended():
+            reduced = type(module).__reduce_ex__(module, protocol)
+            if isinstance(reduced, tuple) and len(reduced) > 2 and reduced[2] is module.__dict__:
+                reduced = (*reduced[:2], dict(module.__dict__), *reduced[3:])
+        return reduced
+
 
 def patched_by(method: Any) -> object | None:
     """The owner of the patch `method` is, or None for a method that is not one of ours."""
@@ -157,5 +167,5 @@ def drop_stale(model: nn.Module, owner: object) -> None:
     """Remove what an owner that is not this model's (a shallow copy shares the original's instance attributes) left
     in `model.__dict__`: its marker, patched methods and copy hook."""
     for attr, value in list(model.__dict__.items()):
-        if attr in (MARKER, "__deepcopy__") or patched_by(value) is owner:
+        if attr in (MARKER, "__deepcopy__", "__reduce_ex__") or patched_by(value) is owner:
             del model.__dict__[attr]

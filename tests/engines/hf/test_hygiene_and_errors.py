@@ -189,6 +189,24 @@ def test_a_shallow_copy_made_inside_a_context_is_not_left_with_a_dead_hub(qwen):
     assert hook_count(shallow) == 0 and "_moe_replay_hub" not in shallow.__dict__
 
 
+def test_a_model_saved_inside_a_context_is_clean_and_the_context_goes_on(qwen, tmp_path):
+    """torch.save of the model, or of one layer, while a context is open (found by review: a PicklingError on the
+    wrappers): the saved objects hold no patched method and no hub, route like the model, and the open context
+    still records."""
+    ids, mask = left_padded(2, 6, [0, 1])
+    expected = recorded(qwen, ids, mask)
+    with record_routes(qwen) as rec:
+        torch.save(qwen, tmp_path / "model.pt")
+        torch.save(qwen.model.layers[1], tmp_path / "layer.pt")
+        qwen(ids, attention_mask=mask)
+    assert rec.routes.equal(expected)
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    layer = torch.load(tmp_path / "layer.pt", weights_only=False)
+    for module in (*loaded.modules(), *layer.modules()):
+        assert not any(k.startswith("_moe_replay_hub") or k in ("forward", "__reduce_ex__") for k in module.__dict__)
+    assert recorded(loaded, ids, mask).equal(expected)
+
+
 def test_contexts_and_router_calls_leave_no_cyclic_garbage(qwen):
     """Everything a context and its router calls make is freed when they end (no reference cycles): the replayed
     index tensors are not held until a garbage collection, and a context per forward does not keep triggering one."""
