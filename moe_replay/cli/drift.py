@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .args import at_least
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the `drift` subcommand."""
@@ -22,13 +24,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="a save_pretrained directory (or anything AutoModelForCausalLM.from_pretrained takes)")
     p.add_argument("--prompts", type=Path, help="text file, one prompt per line (needs the model's tokenizer)")
-    p.add_argument("--batch", type=int, default=8, help="synthetic batch: sequences (default 8)")
-    p.add_argument("--length", type=int, default=64, help="synthetic batch: tokens per sequence (default 64)")
+    p.add_argument("--batch", type=at_least(1), default=8, help="synthetic batch: sequences (default 8)")
+    p.add_argument(
+        "--length", type=at_least(2), default=64, help="tokens per sequence (default 64; at least 2: a next token)"
+    )
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--buckets", type=int, default=4, help="position buckets in the table (default 4)")
+    p.add_argument("--buckets", type=at_least(1), default=4, help="position buckets in the table (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", type=Path, help="also write the tidy table as CSV")
     p.add_argument("--plot", type=Path, help="write the per-layer figure (PNG, PDF, SVG)")
@@ -95,4 +99,9 @@ def _batch(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torch.Tens
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     enc = tok(lines, return_tensors="pt", padding=True, truncation=True, max_length=args.length)
+    if enc["input_ids"].shape[1] < 2:
+        raise SystemExit(
+            f"the tokenizer in {args.model} turned the prompts into {enc['input_ids'].shape[1]} tokens each: it needs "
+            "at least 2 (a token and the next); is it the model's tokenizer?"
+        )
     return enc["input_ids"].to(args.device), enc["attention_mask"].to(args.device)

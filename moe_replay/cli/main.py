@@ -24,12 +24,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     drift.add_parser(sub)
     train.add_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        demo.run(seed=args.seed, lr=args.lr)
-        return 0
-    if args.command == "drift":
-        return drift.run(args)
-    if args.command == "train":
-        return train.run(args)
+    try:
+        if args.command == "demo":
+            demo.run(seed=args.seed, lr=args.lr)
+            return 0
+        if args.command == "drift":
+            return drift.run(args)
+        if args.command == "train":
+            return train.run(args)
+    except (OSError, ValueError) as e:  # bad input (a missing file, a setting that does not fit): said, no traceback
+        parser.exit(2, f"moe-replay {args.command}: error: {e}\n")
     parser.print_help()
     return 0

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .args import at_least
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the `train` subcommand."""
@@ -19,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", type=Path, required=True, help="TOML file (configs/*.toml)")
     p.add_argument("--output", help="override the output directory")
-    p.add_argument("--steps", type=int, help="override the number of steps")
+    p.add_argument("--steps", type=at_least(1), help="override the number of steps")
     p.add_argument("--seed", type=int, help="override the seed")
     p.add_argument("--fresh", action="store_true", help="start over instead of resuming from the last checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -41,9 +41,12 @@ class Run:
     def setup(self, resume: bool, progress: bool) -> None:
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         ckpt = self.out / CHECKPOINT
-        if resume and (ckpt / "state.pt").exists():
+        resuming = resume and (ckpt / "state.pt").exists()
+        if resuming:
+            check_resumable(self.out / "config.json", cfg.to_dict())
+        (self.out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        if resuming:
             from transformers import AutoModelForCausalLM
 
             self.model = AutoModelForCausalLM.from_pretrained(ckpt)
@@ -234,6 +237,25 @@ def evaluate(config: TrainConfig, n: int = 512) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(Path(config.output) / CHECKPOINT)
     return sampled_reward(model, Task(config.task, config.task_size), n=n, seed=10_000 + config.seed)
+
+
+def check_resumable(saved: Path, config: dict[str, Any]) -> None:
+    """Raise ValueError if the run saved in `saved` (its config.json) was started with other settings than `config`
+    in anything but `steps`: resuming it would continue the old run while its log said otherwise.
+
+    Example:
+        >>> check_resumable(Path("runs/grpo/config.json"), cfg.to_dict())  # doctest: +SKIP
+    """
+    if not saved.exists():
+        return
+    before, now = json.loads(saved.read_text()), json.loads(json.dumps(config))
+    changed = [k for k in before if k in now and k != "steps" and before[k] != now[k]]
+    if changed:
+        diff = ", ".join(f"{k}={before[k]!r} (now {now[k]!r})" for k in changed)
+        raise ValueError(
+            f"{saved.parent} holds a run started with {diff}: resume it with the same settings (only steps may "
+            "change), or start over (resume=False, `moe-replay train --fresh`), or write to another output"
+        )
 
 
 def _append(path: Path, rows: list[dict[str, Any]]) -> None:

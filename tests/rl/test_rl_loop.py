@@ -96,6 +96,12 @@ def test_runs_are_deterministic_and_resume_to_the_same_log(tmp_path, init):
     mb_a = pd.read_csv(tmp_path / "a" / "run" / "minibatches.csv")
     mb_c = pd.read_csv(tmp_path / "c" / "run" / "minibatches.csv")
     pd.testing.assert_frame_equal(mb_a, mb_c)
+    # found by review: a resume with other settings continued the old run under the new config.json, or wrote rows
+    # of another width under the old header; only steps may change
+    with pytest.raises(ValueError, match=r"started with seed=0 \(now 5\), replay='off' \(now 'rollout'\)"):
+        train(config(tmp_path / "c", init, steps=5, seed=5, replay="rollout"), progress=False)
+    assert '"seed": 0' in (tmp_path / "c" / "run" / "config.json").read_text()
+    assert len(steps_log(train(config(tmp_path / "c", init, steps=5), progress=False))) == 5
 
 
 def test_train_command_and_config_errors(tmp_path, init, capsys):
@@ -106,6 +112,15 @@ def test_train_command_and_config_errors(tmp_path, init, capsys):
     )
     assert main(["train", "--config", str(path), "--quiet"]) == 0
     assert "2 steps, reward" in capsys.readouterr().out
+    for argv, message in (  # bad input: a usage error naming it, exit status 2, no traceback
+        (["train", "--config", str(tmp_path / "missing.toml")], "No such file or directory"),
+        (["train", "--config", str(path), "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        (["drift", init, "--batch", "0"], "argument --batch: must be at least 1, got 0"),
+        (["drift", init, "--prompts", str(tmp_path / "missing.txt")], "No such file or directory"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
     path.write_text("stpes = 3\n")
     with pytest.raises(ValueError, match=r"unknown settings \['stpes'\]"):
         load_config(path)
