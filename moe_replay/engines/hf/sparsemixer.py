@@ -48,9 +48,17 @@ def slot_of(counts: list[int], keepdim: bool, training: bool) -> tuple[int | Non
     return j, True  # Gumbel sample
 
 
-def kept_threshold(func: Any, args: tuple, kwargs: dict, indices: torch.Tensor, mask: torch.Tensor, eps: float):
+def kept_threshold(
+    func: Any, args: tuple, kwargs: dict, indices: torch.Tensor, mask: torch.Tensor, eps: float
+) -> torch.return_types.max:
     """A training-mode threshold `max(x, dim=-1, keepdim=True)`: the live top score, or the recorded expert's
-    (`indices` [N]) where the live one would mask it out; live where `mask` is False (see the module docstring)."""
+    (`indices` [N]) where the live one would mask it out; live where `mask` is False (see the module docstring).
+
+    Example:
+        >>> x = torch.tensor([[1.0, 0.5, 0.99]])
+        >>> kept_threshold(torch.max, (x, -1, True), {}, torch.tensor([1]), torch.tensor([True]), 0.01).values
+        tensor([[0.5000]])
+    """
     x = args[0]
     values, live = func(*args, **kwargs)
     recorded = x.gather(-1, indices.to(x.device).reshape(*x.shape[:-1], 1))
@@ -92,7 +100,7 @@ class SparsemixerPicks(Selector):
         n = call.step.tokens
         if dim not in (-1, x.dim() - 1) or x.numel() != n * x.shape[-1]:
             return func(*args, **kwargs)
-        slot, is_pick = slot_of(self.counts, keepdim, call.site.router.training)  # (threshold: not a pick)
+        slot, is_pick = slot_of(self.counts, keepdim, call.site.router.training)
         plan = call.plan
         if slot is None or (plan is not None and (slot >= plan.top_k or x.shape[-1] != plan.num_experts)):
             return func(*args, **kwargs)
