@@ -152,7 +152,6 @@ def routes_from_rows(
     for i, t in enumerate(tensors):
         if t.dim() != 3 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"row {i}: expected integer routes [n, C, K], got {tuple(t.shape)} {t.dtype}")
-    K = layers[0].top_k
     for i, t in enumerate(tensors):
         if t.shape[2] != K:
             raise ValueError(f"row {i} holds K={t.shape[2]} experts per token but the layers have top_k={K}")

@@ -84,14 +84,9 @@ def policy_loss(
         )
     low, high = clip_range(importance_sampling_level, epsilon_low, epsilon_high)
 
-    # in float32 at least: bf16 counts 257 tokens as 256, and cannot hold GSPO's clip band [1 - 3e-4, 1 + 4e-4]
-    dtype = torch.promote_types(logp.dtype, torch.float32)
-    mask = mask.to(torch.bool)
-    # 0 at padding, even where a log-prob there is -inf (no inf * 0 = NaN, no gradient)
-    logp, old_logp = torch.where(mask, logp.to(dtype), 0.0), torch.where(mask, old_logp.detach().to(dtype), 0.0)
-    m = mask.to(dtype)
-    lengths = mask.sum(1).clamp_min(1).to(dtype)  # |o_i|
-    adv = advantages.to(dtype)
+    logp, old_logp, mask, lengths = _prepared(logp, old_logp, mask)
+    m = mask.to(logp.dtype)
+    adv = advantages.to(logp.dtype)
     adv_t = adv if adv.dim() == 2 else adv[:, None].expand_as(logp)
     log_ratio = logp - old_logp  # [N, T]
 
@@ -111,6 +106,20 @@ def policy_loss(
         per_answer = (term * m).sum(1) / lengths
     loss = -per_answer.mean()
     return loss, _metrics(ratio, log_ratio, adv_t, mask, low, high)
+
+
+def _prepared(
+    logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, old_logp (detached), mask as bool, |o_i| [N]) in float32 at least, both log-probs 0 at padding.
+
+    bf16 counts 257 tokens as 256 and cannot hold GSPO's clip band [1 - 3e-4, 1 + 4e-4]; a log-prob of -inf at
+    padding would give inf * 0 = NaN (and a gradient) if it were masked by a product.
+    """
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    mask = mask.to(torch.bool)
+    logp, old_logp = torch.where(mask, logp.to(dtype), 0.0), torch.where(mask, old_logp.detach().to(dtype), 0.0)
+    return logp, old_logp, mask, mask.sum(1).clamp_min(1).to(dtype)
 
 
 def _ratio(logp: torch.Tensor, log_ratio: torch.Tensor, lengths: torch.Tensor, level: str) -> torch.Tensor:
@@ -142,12 +151,10 @@ def clip_fractions(
         >>> flags["region"].float().mean()  # doctest: +SKIP
     """
     low, high = clip_range(importance_sampling_level, epsilon_low, epsilon_high)
-    dtype = torch.promote_types(logp.dtype, torch.float32)  # (as `policy_loss`)
-    mask = mask.to(torch.bool)
-    logp, old_logp = torch.where(mask, logp.to(dtype), 0.0), torch.where(mask, old_logp.to(dtype), 0.0)
+    logp, old_logp, mask, lengths = _prepared(logp, old_logp, mask)
     log_ratio = logp - old_logp
-    ratio = _ratio(logp, log_ratio, mask.sum(1).clamp_min(1).to(dtype), importance_sampling_level)
-    adv = advantages.to(dtype)
+    ratio = _ratio(logp, log_ratio, lengths, importance_sampling_level)
+    adv = advantages.to(logp.dtype)
     adv = (adv if adv.dim() == 2 else adv[:, None].expand_as(logp))[mask]
     lo, hi = _clipped(ratio[mask], adv, low, high)
     return {"low": lo, "high": hi, "region": lo | hi, "abs_log_ratio": log_ratio[mask].abs().float()}
