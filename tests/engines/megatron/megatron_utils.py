@@ -221,6 +221,35 @@ def batch(b: int = 3, s: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return tokens, position_ids, mask, labels
 
 
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter gradient, by name."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def micro_batch_routes(model: torch.nn.Module, micro: list[tuple[torch.Tensor, ...]]) -> list[Any]:
+    """The routes of one recorded forward of `model` per micro-batch (tokens, position ids, mask, labels)."""
+    from moe_replay.engines.megatron import record_routes
+
+    routes = []
+    for tokens, pos, mask, _ in micro:
+        with record_routes(model) as rec:
+            model(tokens, pos, mask)
+        routes.append(rec.routes)
+    return routes
+
+
+def recompute_pair() -> tuple[torch.nn.Module, torch.nn.Module, list[tuple[torch.Tensor, ...]], list[Any]]:
+    """(a model, the same model under full activation recompute, two micro-batches, their routes recorded on the
+    first), both models' routers then perturbed so that a replay has to force the routes."""
+    plain = tiny_gpt()
+    ckpt = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    micro = [batch(b=2, s=10, seed=s) for s in (0, 1)]
+    routes = micro_batch_routes(plain, micro)
+    for model in (plain, ckpt):
+        perturb_routers(model)
+    return plain, ckpt, micro, routes
+
+
 def parallel_worker(rank: int, mode: str, out_dir: str, port: int) -> None:
     """One of two gloo ranks: `mode` "tp" (tensor parallel 2 with sequence parallelism, both ranks on batch seed 0)
     or "ep" (expert parallel 2, rank r on batch seed r). Records, replays its own routes, replays the routes of the

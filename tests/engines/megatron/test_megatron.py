@@ -10,7 +10,17 @@ import torch
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
 from helpers import free_port  # noqa: E402
-from megatron_utils import EXPERTS, LAYERS, TOP_K, batch, megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
+from megatron_utils import (  # noqa: E402
+    EXPERTS,
+    LAYERS,
+    TOP_K,
+    batch,
+    grads,
+    megatron_cpu,
+    perturb_routers,
+    recompute_pair,
+    tiny_gpt,
+)
 
 import moe_replay  # noqa: E402
 from moe_replay import ReplayError, Routes, expert_change  # noqa: E402
@@ -49,10 +59,6 @@ def as_map(routes: Routes, layer: int) -> torch.Tensor:
     """Routes of one layer as a routing map [T*B, E] in Megatron's sequence-major row order."""
     rows = routes_to_rows(routes)[layer]
     return torch.zeros(rows.shape[0], EXPERTS, dtype=torch.bool).scatter(1, rows, True)
-
-
-def grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_layout_rows_to_routes_by_hand():
@@ -187,17 +193,8 @@ def test_micro_batches_with_recompute_replay_their_own_routes_in_the_backward():
     # micro-batch 0 must replay micro-batch 0's routes, not the last ones set for the forward of micro-batch 1.
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    plain = tiny_gpt()
-    ckpt = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    micro = [batch(b=2, s=10, seed=s) for s in (0, 1)]
-    routes = []
-    for tokens, pos, mask, _ in micro:
-        with record_routes(plain) as rec:
-            plain(tokens, pos, mask)
-        routes.append(rec.routes)
+    plain, ckpt, micro, routes = recompute_pair()
     assert not routes[0].equal(routes[1])
-    for model in (plain, ckpt):
-        perturb_routers(model)
 
     def run(model, context):
         model.zero_grad(set_to_none=True)

@@ -12,7 +12,19 @@ import torch
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
 from helpers import free_port  # noqa: E402
-from megatron_utils import EXPERTS, HIDDEN, TOP_K, VOCAB, batch, megatron_cpu, perturb_routers, set_weights, tiny_gpt  # noqa: E402
+from megatron_utils import (  # noqa: E402
+    EXPERTS,
+    HIDDEN,
+    TOP_K,
+    VOCAB,
+    batch,
+    grads,
+    megatron_cpu,
+    micro_batch_routes,
+    recompute_pair,
+    set_weights,
+    tiny_gpt,
+)
 
 from moe_replay import ReplayError  # noqa: E402
 from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
@@ -25,25 +37,12 @@ def megatron_process():
         yield
 
 
-def grads(model):  # noqa: ANN001, ANN201
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("order", ["reversed", "summed"])
 def test_recomputes_in_any_backward_order_take_their_own_forwards_routes(order):
     """Two micro-batches forward under full recompute, then their backwards in reverse order, or as one summed loss
     (autograd's order): each recompute takes the routes of the forward whose input it reproduces; megatron's own
     queue hands them out first in, first out (found by review: 57 gradients wrong, no error)."""
-    plain = tiny_gpt()
-    ckpt = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    micro = [batch(b=2, s=10, seed=s) for s in (0, 1)]
-    routes = []
-    for tokens, pos, mask, _ in micro:
-        with record_routes(plain) as rec:
-            plain(tokens, pos, mask)
-        routes.append(rec.routes)
-    for model in (plain, ckpt):
-        perturb_routers(model)
+    plain, ckpt, micro, routes = recompute_pair()
 
     def run(model):  # noqa: ANN001, ANN202
         model.zero_grad(set_to_none=True)
@@ -65,11 +64,7 @@ def test_more_routes_than_forwards_is_refused():
     """A list of three Routes used by two forwards gave them the first two micro-batches' routes."""
     model = tiny_gpt()
     micro = [batch(b=2, s=8, seed=s) for s in (0, 1, 2)]
-    routes = []
-    for tokens, pos, mask, _ in micro:
-        with record_routes(model) as rec:
-            model(tokens, pos, mask)
-        routes.append(rec.routes)
+    routes = micro_batch_routes(model, micro)
     with pytest.raises(ReplayError, match="routes were given for 3 forwards but 2 ran"):
         with torch.no_grad(), replay_routes(model, routes):
             for tokens, pos, mask, _ in micro[1:]:
