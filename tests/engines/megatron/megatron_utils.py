@@ -2,8 +2,9 @@
 
 megatron-core expects CUDA; on CPU with gloo it runs given: `torch.cuda.current_device` answering the CPU device,
 a CPU stand-in for the model-parallel CUDA RNG tracker (and no CUDA RNG state for activation recompute to save), no
-Transformer Engine GEMM for the router (0.16.x), the allgather token dispatcher, an explicit attention mask, no
-linear biases and CPU initialisation.
+Transformer Engine GEMM for the router (0.16.x), an explicit attention mask, no linear biases and CPU initialisation.
+The alltoall token dispatcher also gets a CPU stand-in for its device-to-host CUDA stream, and its split sizes (CPU
+tensors, where on a GPU they are NumPy arrays) handed to gloo's `all_to_all_single` as lists.
 """
 
 from __future__ import annotations
@@ -48,6 +49,41 @@ class CpuRngTracker:
             yield
 
 
+class CpuStream:
+    """Stands in for the alltoall dispatcher's CUDA side stream and its events: CPU work already runs in order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> CpuStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+def split_sizes_as_lists(all_to_all_single: Any) -> Any:
+    """`all_to_all_single` taking split sizes given as a tensor (as the alltoall dispatcher keeps them on the CPU)."""
+
+    def call(
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Any = None,
+        input_split_sizes: Any = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        def listed(sizes: Any) -> Any:
+            return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+
+        return all_to_all_single(output, input, listed(output_split_sizes), listed(input_split_sizes), *args, **kwargs)
+
+    return call
+
+
 class CpuTorch:
     """megatron's schedules module's view of torch: `zeros(..., device="cuda")` (a token counter) lands on the CPU."""
 
@@ -61,16 +97,25 @@ class CpuTorch:
 
 @contextlib.contextmanager
 def megatron_cpu(
-    tp: int = 1, ep: int = 1, rank: int = 0, world: int = 1, port: int = 29531, pp: int = 1, vpp: int | None = None
+    tp: int = 1,
+    ep: int = 1,
+    rank: int = 0,
+    world: int = 1,
+    port: int = 29531,
+    pp: int = 1,
+    vpp: int | None = None,
+    etp: int | None = None,
 ) -> Iterator[None]:
-    """Apply the CPU shims, start a gloo process group and megatron's parallel state; undo all of it on exit.
-    Pipeline models also need `batch_p2p_comm=False` in their config (the batched p2p path syncs CUDA)."""
+    """Apply the CPU shims, start a gloo process group and megatron's parallel state (`etp`: expert tensor parallel
+    size, default `tp`); undo all of it on exit. Pipeline models also need `batch_p2p_comm=False` in their config (the
+    batched p2p path syncs CUDA)."""
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
     warnings.filterwarnings("ignore", message=".*Apex.*")
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel.random as tpr
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as AllToAll
 
     saved = (torch.cuda.current_device, tpr._CUDA_RNG_STATE_TRACKER, tpr._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     saved_rng = (tpr._get_cuda_rng_state, tpr._set_cuda_rng_state)
@@ -81,6 +126,12 @@ def megatron_cpu(
     tpr._CUDA_RNG_STATE_TRACKER, tpr._CUDA_RNG_STATE_TRACKER_INITIALIZED = CpuRngTracker(), True
     moe_utils.te_general_gemm = None  # 0.16.x reads this name even when Transformer Engine is absent
     schedules.torch = CpuTorch()
+    cuda, dist = torch.cuda, torch.distributed
+    saved_streams = (cuda.Stream, cuda.current_stream, cuda.stream, dist.all_to_all_single, AllToAll.cuda_dtoh_stream)
+    stream = CpuStream()
+    cuda.Stream, cuda.current_stream = CpuStream, lambda *args, **kwargs: stream  # (a class: code annotates with it)
+    cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    dist.all_to_all_single, AllToAll.cuda_dtoh_stream = split_sizes_as_lists(dist.all_to_all_single), None
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
@@ -90,12 +141,14 @@ def megatron_cpu(
             expert_model_parallel_size=ep,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
+            expert_tensor_parallel_size=etp,
         )
         yield
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
         schedules.torch = torch
+        cuda.Stream, cuda.current_stream, cuda.stream, dist.all_to_all_single, AllToAll.cuda_dtoh_stream = saved_streams
         torch.cuda.current_device, tpr._CUDA_RNG_STATE_TRACKER, tpr._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
         tpr._get_cuda_rng_state, tpr._set_cuda_rng_state = saved_rng
         if had_gemm:
@@ -248,59 +301,3 @@ def recompute_pair() -> tuple[torch.nn.Module, torch.nn.Module, list[tuple[torch
     for model in (plain, ckpt):
         perturb_routers(model)
     return plain, ckpt, micro, routes
-
-
-def parallel_worker(rank: int, mode: str, out_dir: str, port: int) -> None:
-    """One of two gloo ranks: `mode` "tp" (tensor parallel 2 with sequence parallelism, both ranks on batch seed 0)
-    or "ep" (expert parallel 2, rank r on batch seed r). Records, replays its own routes, replays the routes of the
-    single-process reference, and saves what it saw to out_dir/rank{r}.pt for the test to compare."""
-    from pathlib import Path
-
-    from moe_replay import Routes
-    from moe_replay.engines.megatron import record_routes, replay_routes
-
-    torch.set_num_threads(1)
-    out = Path(out_dir)
-    tp, ep = (2, 1) if mode == "tp" else (1, 2)
-    overrides = (
-        {"tensor_model_parallel_size": 2, "sequence_parallel": True}
-        if mode == "tp"
-        else {"expert_model_parallel_size": 2}
-    )
-    seed = 0 if mode == "tp" else rank
-    with megatron_cpu(tp=tp, ep=ep, rank=rank, world=2, port=port):
-        model = tiny_gpt(**overrides)
-        tokens, pos, mask, labels = batch(b=3, s=8, seed=seed)
-        router = model.decoder.layers[0].mlp.router
-        seen_len: list[int] = []
-        router.register_forward_hook(lambda m, args, out: seen_len.append(args[0].shape[0]))
-        with record_routes(model) as rec:
-            logits = model(tokens, pos, mask)
-        with replay_routes(model, rec.routes):
-            replayed = model(tokens, pos, mask)
-        loss = model(tokens, pos, mask, labels=labels)
-        reference = Routes.load(out / f"reference_seed{seed}.safetensors")
-        with replay_routes(model, reference):
-            loss_ref_routes = model(tokens, pos, mask, labels=labels)
-            loss_ref_routes.mean().backward()
-        perturb_routers(model)  # now live routing moves: replay has to force the reference routes
-        with record_routes(model) as live:
-            model(tokens, pos, mask)
-        with replay_routes(model, reference):
-            loss_perturbed = model(tokens, pos, mask, labels=labels).detach()
-        torch.save(
-            {
-                "routes": rec.routes.indices,
-                "replay_exact": torch.equal(logits, replayed),
-                "loss": loss.detach(),
-                "loss_reference_routes": loss_ref_routes.detach(),
-                "live_routes_perturbed": live.routes.indices,
-                "loss_perturbed_replay": loss_perturbed,
-                "router_input_len": seen_len[0],
-                "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
-                "router_grads": [
-                    r.weight.grad.abs().sum().item() for n, r in model.named_modules() if n.endswith("router")
-                ],
-            },
-            out / f"rank{rank}.pt",
-        )

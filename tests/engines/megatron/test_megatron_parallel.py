@@ -1,5 +1,6 @@
-"""record_routes / replay_routes on two gloo ranks: expert parallel 2, and tensor parallel 2 with sequence
-parallelism, against a single-process run of the same weights."""
+"""record_routes / replay_routes on gloo ranks against a single-process run of the same weights: expert parallel 2
+and tensor parallel 2 with sequence parallelism on two ranks, and both at once on four ranks with the alltoall and the
+allgather token dispatchers (parallel_worker.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
 from helpers import free_port  # noqa: E402
-from megatron_utils import batch, megatron_cpu, parallel_worker, perturb_routers, tiny_gpt  # noqa: E402
+from megatron_utils import batch, megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
+from parallel_worker import MODES, parallel_worker  # noqa: E402
 
 from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
 
@@ -35,16 +37,28 @@ def references(tmp_path_factory):
     return out, found
 
 
-@pytest.mark.parametrize("mode", ["ep", "tp"])
-def test_two_ranks_replay_exactly_and_match_one_process(references, mode):
+# (router input length per call, local experts, token dispatcher, batch seed of rank r)
+EXPECTED = {
+    "ep": (8, 2, "MoEAllGatherTokenDispatcher", lambda rank: rank),
+    "tp": (4, 4, "MoEAllGatherTokenDispatcher", lambda rank: 0),
+    "ep_tp_alltoall": (4, 2, "MoEAlltoAllTokenDispatcher", lambda rank: rank // 2),
+    "ep_tp_allgather": (4, 2, "MoEAllGatherTokenDispatcher", lambda rank: rank // 2),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ranks_replay_exactly_and_match_one_process(references, mode):
     out, found = references
-    torch.multiprocessing.spawn(parallel_worker, args=(mode, str(out), free_port()), nprocs=2, join=True)
-    for rank in (0, 1):
+    ranks = MODES[mode][0]
+    torch.multiprocessing.spawn(parallel_worker, args=(mode, str(out), free_port()), nprocs=ranks, join=True)
+    length, local, dispatcher, seed_of = EXPECTED[mode]
+    for rank in range(ranks):
         seen = torch.load(out / f"rank{rank}.pt")
-        seed = 0 if mode == "tp" else rank
-        routes, loss, perturbed = found[seed]
-        # the split really happened: half the sequence per router call (tp), half the experts per rank (ep)
-        assert (seen["router_input_len"], seen["local_experts"]) == ((4, 4) if mode == "tp" else (8, 2))
+        assert seen["seed"] == seed_of(rank)
+        routes, loss, perturbed = found[seen["seed"]]
+        # the split really happened: half the sequence per router call (sequence parallel), half the experts per
+        # rank (expert parallel), through the dispatcher asked for
+        assert (seen["router_input_len"], seen["local_experts"], seen["dispatcher"]) == (length, local, dispatcher)
         assert seen["replay_exact"], f"rank {rank}: replaying its own routes changed the logits"
         # under sequence parallelism each rank routes half the sequence; the recorder gathers the whole batch
         assert torch.equal(seen["routes"], routes), f"rank {rank}: routes differ from the single-process run"
