@@ -39,7 +39,7 @@ def batch_index(idx: object, B: int, device: torch.device) -> slice | torch.Tens
         raise ValueError("a uint8 index is ambiguous (torch reads it as a mask): use .bool() for a mask or .long()")
     if t.dim() != 1:
         raise ValueError(f"a Routes index list must be 1-D, got shape {tuple(t.shape)}")
-    return t
+    return t if t.dtype in (torch.long, torch.int32) else t.long()  # (torch indexes with these alone)
 
 
 def is_integer_scalar(x: object) -> bool:

@@ -223,6 +223,8 @@ def test_index_forms_select_like_tensor_indexing():
         (np.array([2, 0]), [2, 0]),  # numpy arrays used to fail in int(idx)
         (np.array([True, False, False, True]), [0, 3]),
         (torch.tensor([1, 3], dtype=torch.int32), [1, 3]),
+        (torch.tensor([1, -1], dtype=torch.int16), [1, 3]),  # int8 / int16 ids raised torch's own IndexError
+        (np.array([2, 1], dtype=np.int8), [2, 1]),
         (slice(None, None, 2), [0, 2]),
         (slice(1, None, 2), [1, 3]),
         (np.int64(-1), [3]),
