@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
-REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch's (and Megatron's, DeepSpeed's) reentrant checkpoint
+REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch's, Megatron's, DeepSpeed's; Transformer Engine's ends so
 
 
 def in_backward() -> bool:
@@ -42,7 +43,27 @@ def inside_reentrant_checkpoint() -> bool:
     """
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_qualname == REENTRANT_FORWARD:
+        if frame.f_code.co_qualname.endswith(REENTRANT_FORWARD):
             return True
         frame = frame.f_back
     return False
+
+
+def reentrant_checkpoint_node() -> weakref.ref | None:
+    """A weak reference to the autograd node of the innermost reentrant checkpoint whose first forward is on the call
+    stack (its `CheckpointFunction.forward`'s `ctx`), or None outside one. When the backward recomputes that forward,
+    `torch._C._current_autograd_node()` is this node: a recompute is told from another micro-batch's, even one whose
+    input is identical, by which checkpoint's backward runs it.
+
+    Example:
+        >>> reentrant_checkpoint_node() is None
+        True
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_qualname.endswith(REENTRANT_FORWARD):
+            ctx = frame.f_locals.get("ctx")
+            if isinstance(ctx, torch.autograd.function.BackwardCFunction):
+                return weakref.ref(ctx)
+        frame = frame.f_back
+    return None

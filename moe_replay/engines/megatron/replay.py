@@ -17,7 +17,7 @@ from torch import nn
 from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import Routes
-from ..autograd import in_backward
+from ..autograd import in_backward, reentrant_checkpoint_node
 from ..fingerprint import FINGERPRINT, fingerprint, matches
 from .context import RouterReplayContext, Site, tp_split
 from .pipeline import stage_columns
@@ -105,11 +105,11 @@ class MegatronRouteReplayer(RouterReplayContext):
                     raise ReplayError(
                         f"router {site.name!r}: megatron's REPLAY_BACKWARD queue was changed from outside the context"
                     )
-                k = recomputed_call(site, fingerprint(args[0]))
+                k = recomputed_call(site, fingerprint(args[0]), torch._C._current_autograd_node())
                 if k:  # megatron's queue hands its first rows to the recompute: these first
                     site.pending.insert(0, site.pending.pop(k))
                     rr.replay_backward_list.insert(0, rr.replay_backward_list.pop(k))
-                rows, site.mask, _ = site.pending.pop(0)
+                rows, site.mask, _, _ = site.pending.pop(0)
                 if rows.shape[0] != args[0].shape[0] * args[0].shape[1]:
                     raise ReplayError(f"router {site.name!r}: the recompute's shape differs from its forward's")
                 rr.set_router_replay_action(backward)
@@ -120,7 +120,7 @@ class MegatronRouteReplayer(RouterReplayContext):
             # Activation recompute runs the first forward of a checkpointed block without grad inside a forward
             # that has it: exactly the calls the backward will re-run.
             if self._grad_forward[site.chunk] and not torch.is_grad_enabled():
-                site.pending.append((rows, site.mask, fingerprint(args[0])))
+                site.pending.append((rows, site.mask, fingerprint(args[0]), reentrant_checkpoint_node()))
             else:  # this call is never recomputed: keep Megatron's backward queue in step with ours
                 rr.replay_backward_list.pop()
 
@@ -148,30 +148,36 @@ class MegatronRouteReplayer(RouterReplayContext):
                 )
 
 
-def recomputed_call(site: Site, found: torch.Tensor | None) -> int:
-    """Which of `site`'s queued calls a recompute whose router input has fingerprint `found` re-runs (the oldest of
-    those that match, if they hold the same rows); raise `ReplayError` if none matches, or several with other rows.
+def recomputed_call(site: Site, found: torch.Tensor | None, node: Any = None) -> int:
+    """Which of `site`'s queued calls a recompute whose router input has fingerprint `found` re-runs, inside the
+    backward of autograd node `node`: the call queued inside that node's checkpoint, else the oldest of those whose
+    fingerprint matches, if they hold the same rows; raise `ReplayError` if none matches, or several with other rows.
 
     Example:
-        >>> recomputed_call(site, fingerprint(hidden_states))  # doctest: +SKIP
+        >>> recomputed_call(site, fingerprint(hidden_states), torch._C._current_autograd_node())  # doctest: +SKIP
         0
     """
-    hits = [k for k, (_, _, fp) in enumerate(site.pending) if matches(fp, found)]
+    hits = [k for k, (_, _, fp, _) in enumerate(site.pending) if matches(fp, found)]
     if not hits:
         raise ReplayError(
             f"router {site.name!r} is recomputed in the backward but its input matches none of the "
             f"{len(site.pending)} replayed calls waiting for their recompute (the model or its inputs changed since "
             "the forward?)"
         )
+    if node is not None:  # the recompute of a reentrant checkpoint: the call its first forward queued
+        own = [k for k in hits if site.pending[k][3] is not None and site.pending[k][3]() is node]
+        if own:
+            return own[0]
     first = site.pending[hits[0]]
     for k in hits[1:]:
-        rows, mask, _ = site.pending[k]
+        rows, mask, _, _ = site.pending[k]
         same = torch.equal(rows, first[0]) and (mask is None) == (first[1] is None)
         if not same or (mask is not None and not torch.equal(mask, first[1])):
             raise ReplayError(
                 f"router {site.name!r} is recomputed in the backward and {FINGERPRINT} sampled elements of its input "
-                f"match those of {len(hits)} waiting replayed calls with different routes: cannot tell which forward "
-                "it re-runs; run each backward before the next forward"
+                f"match those of {len(hits)} waiting replayed calls with different routes, outside a reentrant "
+                "checkpoint queued with them: cannot tell which forward it re-runs; run each backward before the "
+                "next forward"
             )
     return hits[0]
 

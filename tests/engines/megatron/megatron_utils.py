@@ -291,13 +291,23 @@ def micro_batch_routes(model: torch.nn.Module, micro: list[tuple[torch.Tensor, .
     return routes
 
 
-def recompute_pair() -> tuple[torch.nn.Module, torch.nn.Module, list[tuple[torch.Tensor, ...]], list[Any]]:
+def recompute_pair(
+    identical: bool = False,
+) -> tuple[torch.nn.Module, torch.nn.Module, list[tuple[torch.Tensor, ...]], list[Any]]:
     """(a model, the same model under full activation recompute, two micro-batches, their routes recorded on the
-    first), both models' routers then perturbed so that a replay has to force the routes."""
+    first), both models' routers then perturbed so that a replay has to force the routes. `identical`: the two
+    micro-batches hold the same tokens, and the second's routes differ from the first's at one position of the
+    first layer (two equal GRPO answers that a rollout engine's batch-dependent kernels routed apart)."""
+    from moe_replay import Routes
+
     plain = tiny_gpt()
     ckpt = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    micro = [batch(b=2, s=10, seed=s) for s in (0, 1)]
+    micro = [batch(b=2, s=10, seed=0 if identical else s) for s in (0, 1)]
     routes = micro_batch_routes(plain, micro)
+    if identical:
+        indices = routes[0].indices.clone()
+        indices[0, 5, 0] = torch.tensor([e for e in range(EXPERTS) if e not in indices[0, 5, 0].tolist()][:TOP_K])
+        routes[1] = Routes(indices, routes[0].mask, routes[0].layers)
     for model in (plain, ckpt):
         perturb_routers(model)
     return plain, ckpt, micro, routes

@@ -37,22 +37,25 @@ def megatron_process():
         yield
 
 
-@pytest.mark.parametrize("order", ["reversed", "summed"])
-def test_recomputes_in_any_backward_order_take_their_own_forwards_routes(order):
-    """Two micro-batches forward under full recompute, then their backwards in reverse order, or as one summed loss
-    (autograd's order): each recompute takes the routes of the forward whose input it reproduces; megatron's own
-    queue hands them out first in, first out (found by review: 57 gradients wrong, no error)."""
-    plain, ckpt, micro, routes = recompute_pair()
+@pytest.mark.parametrize("identical", [False, True], ids=["distinct", "identical"])
+@pytest.mark.parametrize("order", ["in_order", "reversed", "summed"])
+def test_recomputes_in_any_backward_order_take_their_own_forwards_routes(order, identical):
+    """Two micro-batches forward under full recompute, then their backwards in order, in reverse order, or as one
+    summed loss (autograd's order): each recompute takes the routes of its own forward, told by the checkpoint whose
+    backward runs it; megatron's own queue hands them out first in, first out (found by review: 57 gradients wrong,
+    no error). Identical micro-batches with other routes, whose router inputs agree until the routes differ, were
+    refused as ambiguous (found by review: two equal GRPO answers under pipeline parallelism's 1F1B)."""
+    plain, ckpt, micro, routes = recompute_pair(identical)
 
     def run(model):  # noqa: ANN001, ANN202
         model.zero_grad(set_to_none=True)
         with replay_routes(model, routes):
             losses = [model(t, p, m, labels=y).mean() for t, p, m, y in micro]
-            if order == "reversed":
-                for loss in reversed(losses):
-                    loss.backward()
-            else:
+            if order == "summed":
                 sum(losses).backward()
+            else:
+                for loss in losses if order == "in_order" else reversed(losses):
+                    loss.backward()
         return grads(model)
 
     want, got = run(plain), run(ckpt)
