@@ -41,13 +41,18 @@ def routes_for_batch(
     completion_ids: Sequence[Sequence[int]],
     input_ids: torch.Tensor,
     completion_width: int,
+    pad_to_multiple_of: int | None = None,
 ) -> Routes:
     """Lay routes recorded under `generate` [B, P_gen + C_gen] out as TRL's batch `input_ids` [B, P + C], whose last
     `completion_width` (C) positions are the completions; raise `ReplayError` if anything does not line up.
 
-    Checks, each naming both sides: the recorded positions are exactly those of the prompts and completions TRL
-    kept (a one-position shift, or a generation that ended elsewhere than TRL cut, fails here), and `input_ids` holds
-    those prompts and completions where this layout puts them (a change of TRL's layout fails here).
+    `generate` saw the prompts left-padded to P_gen, the longest one rounded up to a multiple of `pad_to_multiple_of`
+    (TRL's setting of that name). It may have run past where TRL cut a completion, when it stops at fewer end tokens
+    than TRL cuts at: the routes after the cut are dropped (routing is causal, so those before it hold).
+
+    Checks, each naming both sides: the recorded positions up to each row's cut are exactly those of the prompt and
+    completion TRL kept (a one-position shift, or a generation that ended before TRL's cut, fails here), and
+    `input_ids` holds those prompts and completions where this layout puts them (a change of TRL's layout fails here).
 
     Example:
         >>> rows = routes_for_batch(rec.routes, prompt_ids, completion_ids, input_ids, logits_to_keep)  # doctest: +SKIP
@@ -63,30 +68,48 @@ def routes_for_batch(
     width = input_ids.shape[1]
     prompt_width = width - completion_width
     check_tokens(input_ids, prompt_ids, completion_ids, prompt_width)
-    gen_prompt = routes.seq_len - max(lc, default=0)  # generate ran until its longest completion ended
-    expected = recorded_span(lp, lc, gen_prompt, routes.seq_len)
+    gen_prompt = padded(max(lp, default=0), pad_to_multiple_of)
+    T = routes.seq_len
+    if T < gen_prompt + max(lc, default=0):
+        raise ReplayError(
+            f"generate recorded T={T} positions but TRL's prompts, left-padded to {gen_prompt}, and its longest "
+            f"completion of {max(lc)} tokens need {gen_prompt + max(lc)}"
+        )
+    expected = recorded_span(lp, lc, gen_prompt, T)
+    cut = torch.arange(T) < torch.as_tensor([gen_prompt + n - 1 for n in lc])[:, None]  # before each row's last token
     got = routes.mask.cpu()
-    if not torch.equal(expected, got):
-        i = int((expected != got).any(1).nonzero()[0])
+    if not torch.equal(got & cut, expected):
+        i = int((expected != (got & cut)).any(1).nonzero()[0])
         raise ReplayError(
             f"routes recorded under generate do not line up with TRL's row {i}: they cover positions "
             f"{_span(got[i])} but its {lp[i]} prompt and {lc[i]} completion tokens need {_span(expected[i])} "
-            f"(generate's prompt width {gen_prompt}, T={routes.seq_len})"
+            f"(generate's prompt width {gen_prompt}, T={T})"
         )
+    kept = routes.mask & expected.to(routes.mask.device)  # (past TRL's cut: dropped)
     shift = prompt_width - gen_prompt
-    lo, hi = max(0, -shift), min(routes.seq_len, width - shift)
+    lo, hi = max(0, -shift), min(T, width - shift)
     L, K = len(routes.layers), routes.top_k
     indices = routes.indices.new_zeros((B, width, L, K))
     mask = routes.mask.new_zeros((B, width))
     if lo < hi:
         indices[:, lo + shift : hi + shift] = routes.indices[:, lo:hi]
-        mask[:, lo + shift : hi + shift] = routes.mask[:, lo:hi]
-    if int(mask.sum()) != int(routes.mask.sum()):
+        mask[:, lo + shift : hi + shift] = kept[:, lo:hi]
+    if int(mask.sum()) != int(kept.sum()):
         raise ReplayError(
             f"TRL's batch of width {width} (prompts {prompt_width}) cannot hold every recorded position of "
-            f"generate's T={routes.seq_len} (prompts {gen_prompt})"
+            f"generate's T={T} (prompts {gen_prompt})"
         )
     return Routes(indices, mask, routes.layers)
+
+
+def padded(length: int, multiple: int | None) -> int:
+    """`length` rounded up to a multiple of `multiple` (None: as it is), as TRL pads its prompts.
+
+    Example:
+        >>> padded(5, 4), padded(5, None)
+        (8, 5)
+    """
+    return length if not multiple else -(-length // multiple) * multiple
 
 
 def check_tokens(

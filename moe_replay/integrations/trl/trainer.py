@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         self._rr_phase: str | None = None
         self._rr_stack: contextlib.ExitStack | None = None
         self._rr_open: list = []
+        self._rr_uncompared = False  # warned that the routing metrics could not be computed (`_log_moved`)
         if routing_replay is not None:
             given = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
             refuse_arguments(given)
@@ -103,14 +105,15 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             rows = self._rr_rows
         finally:
             self._rr_generated, self._rr_rows, self._rr_phase = None, None, None
-        out[INDICES], out[MASK] = rows.indices, rows.mask
+        attended = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)  # TRL's loss forwards' mask
+        out[INDICES], out[MASK] = rows.indices, attended_only(rows, attended).mask
         return out
 
     def _rollout_rows(self, input_ids: torch.Tensor, logits_to_keep: int) -> Routes:
         if self._rr_generated is None:
             raise ReplayError("routing_replay='rollout' found no routes recorded while TRL generated")
         routes, prompt_ids, completion_ids = self._rr_generated
-        rows = routes_for_batch(routes, prompt_ids, completion_ids, input_ids, logits_to_keep)
+        rows = routes_for_batch(routes, prompt_ids, completion_ids, input_ids, logits_to_keep, self.pad_to_multiple_of)
         self._rr_layers = rows.layers
         return rows.to(input_ids.device)
 
@@ -136,7 +139,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         if extra:
             raise ValueError(f"routing_replay does not support the model inputs {extra} (multimodal) yet")
         rollout = self.routing_replay == "rollout"
-        rows = self._rollout_rows(input_ids, logits_to_keep) if rollout else None
+        rows = attended_only(self._rollout_rows(input_ids, logits_to_keep), attention_mask) if rollout else None
         size, core = batch_size or input_ids.shape[0], self._core(model)
         parts, recorded, moved = [], [], []
         for start in range(0, input_ids.shape[0], size):
@@ -228,6 +231,24 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         if slots:
             self._metrics[mode][name].append(moved / slots)
+        elif not self._rr_uncompared:  # (once per trainer)
+            self._rr_uncompared = True
+            warnings.warn(
+                f"routing_replay: {name} is not logged: no replayed router call compared its live pick (group-limited "
+                "routers, such as DeepSeek-V3's, and PhiMoE's sparsemixer are not compared); the replay itself runs",
+                stacklevel=2,
+            )
+
+
+def attended_only(routes: Routes, attention_mask: torch.Tensor) -> Routes:
+    """`routes` [B, T] without the positions `attention_mask` [B, T] leaves out (TRL's `mask_truncated_completions`
+    zeroes a truncated row's completion): no loss reads them nor attends to them, so they route live, and the
+    mismatch metrics do not count the routing that masking them changed.
+
+    Example:
+        >>> attended_only(routes, torch.cat([prompt_mask, completion_mask], 1))  # doctest: +SKIP
+    """
+    return Routes(routes.indices, routes.mask & attention_mask.to(routes.mask.device).bool(), routes.layers)
 
 
 def last_token_live(routes: Routes, attention_mask: torch.Tensor) -> Routes:
