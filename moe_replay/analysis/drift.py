@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..engines.hf import record_routes
-from ..engines.hf.hub import open_replays
+from ..engines.hf.hub import open_contexts
 from ..errors import ReplayError
 from ..routes import Routes
 from .metrics import ExpertChange, expert_change
@@ -23,12 +23,20 @@ def teacher_forced_routes(
 ) -> Routes:
     """Record the live routes of one no-grad teacher-forced forward over `sequences` [B, T], in eval mode (no dropout
     or router noise; each module's mode is restored). Raises `ReplayError` inside an open `replay_routes` on the model,
-    where it would record the replayed experts.
+    where it would record the replayed experts, and inside an open `record_routes`, which would record its forward as
+    a batch of its own.
 
     Example:
         >>> routes = teacher_forced_routes(model, out.sequences, mask)  # doctest: +SKIP
     """
-    if open_replays(model):
+    recording, replaying = open_contexts(model)
+    if recording and not replaying:
+        raise ReplayError(
+            f"teacher_forced_routes runs a forward of {type(model).__name__}, but a record_routes context is open on "
+            "it, which would record that forward as a batch of its own: call it (or measure_update_drift / "
+            "measure_mismatch) outside the recording"
+        )
+    if replaying:
         raise ReplayError(
             f"teacher_forced_routes records {type(model).__name__}'s live routes, but a replay_routes context is open "
             "on it, so it would record the replayed experts: call it (or measure_update_drift / measure_mismatch) "

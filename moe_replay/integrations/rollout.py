@@ -17,8 +17,9 @@ from ..routes import LayerInfo
 
 def layers_of(model: nn.Module | Sequence[LayerInfo]) -> tuple[LayerInfo, ...]:
     """The MoE layers (names, E, K, in forward order) of a trainer model, or `model` itself if it is a list of
-    `LayerInfo`. A Hugging Face model runs one no-grad forward of one token under `record_routes` to learn them;
-    a megatron-core model lists its routers, except multi-token-prediction ones (a replay routes those live).
+    `LayerInfo`. A Hugging Face model runs one no-grad forward of one token under `record_routes` to learn them
+    (refused while a context is open on it); a megatron-core model lists its routers, except multi-token-prediction
+    ones (a replay routes those live).
 
     Example:
         >>> layers_of(model)[0]  # doctest: +SKIP
@@ -36,7 +37,14 @@ def layers_of(model: nn.Module | Sequence[LayerInfo]) -> tuple[LayerInfo, ...]:
 
         return tuple(site.info for site in find_routers(model) if not is_mtp(site.name))
     from ..analysis import teacher_forced_routes
+    from ..engines.hf.hub import open_contexts
 
+    if any(open_contexts(model)):
+        raise ValueError(
+            f"the importer learns {type(model).__name__}'s MoE layers by one forward, which the record_routes / "
+            "replay_routes context open on it would record or replay: import before opening the context, or pass "
+            "the layers instead of the model (a recording's routes.layers, or a list of LayerInfo)"
+        )
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     return teacher_forced_routes(model, torch.ones(1, 1, dtype=torch.long, device=device)).layers
 

@@ -5,7 +5,8 @@ Format, checked against SGLang's source (see docs/engines.md for the files and v
 is base64 of the raw bytes of an int32 array (seq_len - 1, num_hidden_layers, K), native (little-endian) byte order,
 no shape in the payload; seq_len = prompt + completion tokens (`meta_info["prompt_tokens"]`,
 `meta_info["completion_tokens"]`). One column per decoder layer, dense layers' columns left zero. The
-OpenAI-compatible endpoints put the same string in `sglext.routed_experts`. With n > 1, responses come prompt-major
+OpenAI-compatible endpoints put the same string in `sglext.routed_experts`, and the token counts in `usage` (one
+choice per response: `usage` sums several). With n > 1, responses come prompt-major
 (p0s0, p0s1, ..., p1s0, ...), each with the prompt's routes. Prompt tokens served from the radix cache carry the
 routes stored when they were first computed. A request with `routed_experts_start_len=s` gets positions
 s .. seq_len - 2 only (`meta_info["routed_experts_start_len"]`): the first s positions are left unrecorded.
@@ -56,6 +57,8 @@ def routes_from_sglang(
         >>> routes = routes_from_sglang(responses, model, pad_left=[2, 0])  # doctest: +SKIP
     """
     layers = layers_of(model)
+    if isinstance(responses, Mapping):  # one response (`Engine.generate` of one prompt), not a list
+        responses = [responses]
     K = layers[0].top_k
     columns = num_layers or (None if isinstance(model, Sequence) else decoder_layers(model))
     decoded = [_decode(resp, i, K, columns) for i, resp in enumerate(responses)]
@@ -74,10 +77,21 @@ def _decode(resp: Mapping[str, Any], i: int, K: int, columns: int | None) -> tup
         payload = (resp.get("sglext") or {}).get("routed_experts")
     if payload is None:
         raise ValueError(f"SGLang response {i} has no meta_info['routed_experts']: {FLAG}")
+    counts = meta
+    if "prompt_tokens" not in meta:  # an OpenAI-style response: its token counts are in `usage`
+        if len(resp.get("choices") or ()) > 1:
+            raise ValueError(
+                f"SGLang response {i} holds {len(resp['choices'])} choices: an OpenAI-style response counts their "
+                "completion tokens together in usage, so each one's routes cannot be placed; request n=1 per prompt, "
+                "or use the native API"
+            )
+        counts = resp.get("usage") or {}
     try:
-        prompt, completion = int(meta["prompt_tokens"]), int(meta["completion_tokens"])
+        prompt, completion = int(counts["prompt_tokens"]), int(counts["completion_tokens"])
     except KeyError as e:
-        raise ValueError(f"SGLang response {i}: meta_info lacks {e.args[0]!r}, needed to check its routes") from e
+        raise ValueError(
+            f"SGLang response {i}: neither meta_info nor usage holds {e.args[0]!r}, needed to check its routes"
+        ) from e
     raw = base64.b64decode(payload) if isinstance(payload, str | bytes) else None
     if raw is None:
         raise ValueError(f"SGLang response {i}: routed_experts must be a base64 string, got {type(payload).__name__}")

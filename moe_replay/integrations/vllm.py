@@ -60,6 +60,8 @@ def routes_from_vllm(
         >>> routes = routes_from_vllm(llm.generate(prompts, params), model)  # doctest: +SKIP
     """
     layers = layers_of(model)
+    if isinstance(outputs, Mapping) or hasattr(outputs, "outputs"):  # one RequestOutput or response, not a list
+        outputs = [outputs]
     rows, empties = [], False
     for r, out in enumerate(outputs):
         for row, split in _rows_of(out, r):
@@ -71,10 +73,11 @@ def routes_from_vllm(
 
 
 def _rows_of(out: Any, r: int) -> list[tuple[np.ndarray, bool]]:
-    """[(routes of each completion of request `r`, whether the prompt routes came separately)]."""
+    """[(routes of each completion of request `r`, whether the prompt routes came separately)]. A completions-endpoint
+    response gives each choice its prompt's ids (several prompts may share one response); others give them once."""
     server = isinstance(out, Mapping)
     get = out.get if server else lambda key, default=None: getattr(out, key, default)
-    prompt = count(get("prompt_token_ids"), "prompt_token_ids", f"vLLM output {r}")
+    shared = get("prompt_token_ids")
     choices = get("choices") if server else get("outputs")
     if not choices:
         raise ValueError(f"vLLM output {r} has no completions")
@@ -83,12 +86,16 @@ def _rows_of(out: Any, r: int) -> list[tuple[np.ndarray, bool]]:
     found = []
     for c in sorted(choices, key=lambda c: _field(c, "index") or 0):
         where = f"output {r}, completion {_field(c, 'index') or 0}"
+        own = _field(c, "prompt_token_ids")
+        prompt = count(shared if own is None else own, "prompt_token_ids", f"vLLM {where}")
         completion = count(_field(c, "token_ids"), "token_ids", f"vLLM {where}")
         routes = _field(c, "routed_experts")
         if routes is None:
             raise ValueError(f"vLLM {where} holds no routed_experts: {FLAG}")
         routes = _array(routes)
         if prompt_routes is not None:  # the split form: prompt routes, then completion - 1 rows
+            if routes.size == 0:  # a one-token completion: no rows (a server's `[]`)
+                routes = routes.reshape(0, *prompt_routes.shape[1:])
             check_row_length("vLLM", f"{where} (prompt part)", prompt_routes.shape[0], prompt, 1)
             check_row_length("vLLM", f"{where} (completion part)", routes.shape[0], 0, completion)
             if prompt_routes.shape[1:] != routes.shape[1:]:
@@ -146,6 +153,6 @@ def _array(value: Any) -> np.ndarray:
         except ValueError as e:
             raise ValueError(f"vLLM routed_experts string is not base64 of an .npy array ({len(raw)} bytes)") from e
     array = np.asarray(value)
-    if array.ndim != 3:
+    if array.ndim != 3 and array.size:  # (an empty one: a one-token completion's part of the split form)
         raise ValueError(f"vLLM routed_experts must be [positions, layers, K], got shape {array.shape}")
     return array

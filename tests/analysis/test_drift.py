@@ -7,7 +7,14 @@ import pytest
 import torch
 from helpers import extend_mask, left_padded, recorded, sampled, tiny_qwen3_moe
 
-from moe_replay import ReplayError, measure_mismatch, measure_update_drift, replay_routes, teacher_forced_routes
+from moe_replay import (
+    ReplayError,
+    measure_mismatch,
+    measure_update_drift,
+    record_routes,
+    replay_routes,
+    teacher_forced_routes,
+)
 from moe_replay.cli import main
 
 
@@ -67,7 +74,8 @@ def test_drift_command(tmp_path, capsys):
 
 def test_teacher_forced_routes_refuse_an_open_replay_and_keep_each_modules_mode():
     """Found by review: inside an open replay it recorded the replayed experts (a drift of 0.04 where the live one
-    was 0.71), and restoring the model's mode set every submodule to it (a layer put in eval came back training)."""
+    was 0.71), inside an open recording it added its forward to it, and restoring the model's mode set every
+    submodule to it (a layer put in eval came back training)."""
     model = tiny_qwen3_moe()
     ids, mask = left_padded(2, 6, [0, 1])
     routes = recorded(model, ids, mask)
@@ -75,6 +83,11 @@ def test_teacher_forced_routes_refuse_an_open_replay_and_keep_each_modules_mode(
         with pytest.raises(ReplayError, match="a replay_routes context is open on it"):
             teacher_forced_routes(model, ids, mask)
         model(ids, attention_mask=mask)  # (the replay is used)
+    with record_routes(model) as rec:  # (its forward was recorded as a batch of the open recording)
+        with pytest.raises(ReplayError, match="a record_routes context is open on it, which would record"):
+            teacher_forced_routes(model, ids, mask)
+        model(ids, attention_mask=mask)
+    assert rec.routes.batch_size == 2
     model.train()
     model.model.layers[0].eval()
     teacher_forced_routes(model, ids, mask)

@@ -187,6 +187,76 @@ def test_sglang(generation):
     assert routes.equal(g.routes)
 
 
+def npy_base64(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return base64.b64encode(buf.getvalue())
+
+
+def test_vllm_completions_endpoint_one_response_for_all_prompts(generation):
+    """/v1/completions gives each choice its prompt's ids, and a response may hold several prompts' choices: it was
+    refused for lacking a top-level prompt_token_ids (found by review). One response, or one RequestOutput, may also
+    come alone, not in a list (it was read as a list of its keys)."""
+    g, T = generation, generation.routes.seq_len
+    choices = [
+        {"index": i, "prompt_token_ids": r.prompt, "token_ids": r.completion,
+         "routed_experts": npy_base64(decoder_columns(r.moe, np.uint8))}
+        for i, r in enumerate(g.rows)
+    ]  # fmt: skip
+    imported_equal(g, routes_from_vllm({"choices": choices[::-1]}, g.model, pad_left=pads(g), seq_len=T))
+    alone = routes_from_vllm(vllm_outputs(g)[1], g.model, pad_left=pads(g)[1:2], seq_len=T)
+    assert alone.equal(g.routes[1:2])
+    responses = sglang_responses(g)
+    assert routes_from_sglang(responses[2], g.model, pad_left=pads(g)[2:3], seq_len=T).equal(g.routes[2:3])
+
+
+def test_vllm_split_form_of_a_one_token_completion(generation):
+    """A completion of one token has no completion rows: the server's `routed_experts` is `[]` (found by review: it
+    was refused as not [positions, layers, K]); its prompt's routes are imported."""
+    r = generation.rows[0]
+    prompt_routes = r.moe[: len(r.prompt)].numpy().astype(np.int16)
+    response = {
+        "prompt_token_ids": r.prompt,
+        "prompt_routed_experts": prompt_routes.tolist(),
+        "choices": [{"index": 0, "token_ids": [7], "routed_experts": []}],
+    }
+    routes = routes_from_vllm([response], generation.model, pad_left=[r.pad], seq_len=generation.routes.seq_len)
+    assert routes.mask[0].nonzero().flatten().tolist() == list(range(r.pad, r.pad + len(r.prompt)))
+    assert torch.equal(
+        routes.indices[0, r.pad : r.pad + len(r.prompt)], generation.routes.indices[0, r.pad :][: len(r.prompt)]
+    )
+
+
+def test_sglang_openai_style_response_counts_tokens_in_usage(generation):
+    """SGLang's OpenAI-compatible endpoints put the routes in `sglext` and the token counts in `usage`, with no
+    meta_info (found by review: refused for lacking meta_info's counts, though documented as accepted)."""
+    g, T = generation, generation.routes.seq_len
+    responses = [
+        {
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""}}],
+            "usage": {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.completion)},
+            "sglext": {"routed_experts": base64.b64encode(decoder_columns(r.moe, np.int32).tobytes()).decode()},
+        }
+        for r in g.rows
+    ]
+    imported_equal(g, routes_from_sglang(responses, g.model, pad_left=pads(g), seq_len=T))
+    responses[0]["choices"] *= 2
+    with pytest.raises(ValueError, match="response 0 holds 2 choices: .* counts their completion tokens together"):
+        routes_from_sglang(responses, g.model, pad_left=pads(g), seq_len=T)
+
+
+def test_importing_with_the_model_inside_its_open_context_is_refused(generation):
+    """The importers learn a Hugging Face model's layers by one forward, which an open recording recorded as a batch
+    of its own (found by review: a phantom row shifted every later one); the layers can be passed instead."""
+    g = generation
+    with record_routes(g.model) as rec:
+        with pytest.raises(ValueError, match="import before opening the context, or pass the layers"):
+            routes_from_vllm(vllm_outputs(g), g.model, pad_left=pads(g))
+        imported = routes_from_vllm(vllm_outputs(g), g.routes.layers, pad_left=pads(g), seq_len=g.routes.seq_len)
+        g.model(g.sequences[:1, :3])
+    assert rec.routes.batch_size == 1 and imported.equal(g.routes)
+
+
 def test_from_rows_places_rows_at_their_offsets():
     rows = [np.array([[[0, 1]], [[2, 3]]], dtype=np.int32), torch.tensor([[[1, 2]]])]
     r = Routes.from_rows(rows, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], pad_left=[1, 0], seq_len=4)

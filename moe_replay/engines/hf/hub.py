@@ -241,12 +241,16 @@ class RouterHub:
                 rec.record_step(step, taken)
 
 
-def open_replays(model: nn.Module) -> int:
-    """How many `replay_routes` contexts are open on `model` (a recording inside them records the replayed experts).
+def open_contexts(model: nn.Module) -> tuple[int, int]:
+    """How many `record_routes` and `replay_routes` contexts are open on `model`, or on a module that wraps it (their
+    hooks are on its modules): a forward of it now is recorded or replayed by them.
 
     Example:
-        >>> open_replays(nn.Linear(2, 2))
-        0
+        >>> open_contexts(nn.Linear(2, 2))
+        (0, 0)
     """
-    hub = model.__dict__.get(MARKER)
-    return len(hub.replayers) if isinstance(hub, RouterHub) and hub.model is model else 0
+    for module in model.modules():
+        hub = patched_by(module.__dict__.get("forward"))
+        if isinstance(hub, RouterHub):
+            return len(hub.recorders), len(hub.replayers)
+    return 0, 0
