@@ -72,10 +72,14 @@ def as_tensor(row: Any) -> torch.Tensor:
         torch.int32
     """
     if isinstance(row, torch.Tensor):
-        return row.cpu()  # routes are laid out on the host (rows on an accelerator are copied once)
+        row = row.cpu()  # routes are laid out on the host (rows on an accelerator are copied once)
+        # torch reads its wider unsigned dtypes for a few ops only: widened (expert ids fit int64)
+        return row.long() if row.dtype in (torch.uint16, torch.uint32, torch.uint64) else row
     if isinstance(row, np.ndarray):
-        if row.dtype == np.uint16:  # torch reads uint16 only for a few ops: widen (ids < 65536 fit int32)
-            row = row.astype(np.int32)
+        if row.dtype.kind == "u" and row.dtype.itemsize > 1:  # (likewise; ids < 65536 fit int32)
+            row = row.astype(np.int32 if row.dtype.itemsize == 2 else np.int64)
+        elif not row.dtype.isnative:  # (an .npy written big-endian)
+            row = row.astype(row.dtype.newbyteorder("="))
         row = np.ascontiguousarray(row)
         with warnings.catch_warnings():  # a read-only buffer (np.frombuffer of a payload): it is only read
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -162,6 +166,8 @@ def routes_from_rows(
     cols = list(columns) if columns is not None else engine_columns(layers, C)
     if len(cols) != len(layers):
         raise ValueError(f"{len(cols)} columns given for {len(layers)} layers")
+    if any(not 0 <= c < C for c in cols):
+        raise ValueError(f"columns {cols} name columns outside the rows' {C} layer columns (0..{C - 1})")
     ends = [p + t.shape[0] for p, t in zip(pads, tensors, strict=True)]
     T = max(ends, default=0) if seq_len is None else seq_len
     if min(pads, default=0) < 0 or max(ends, default=0) > T:

@@ -106,6 +106,8 @@ def expert_change(before: Routes, after: Routes, *, label: str = "before vs afte
         raise ValueError(f"Routes over different layers: {layer_diff(before.layers, after.layers)}")
     if before.device != after.device:
         raise ValueError(f"before is on {before.device}, after on {after.device}: move one with .to()")
+    if not before.layers:
+        raise ValueError("the Routes hold no layers (L = 0): nothing to compare")
     valid = before.mask & after.mask
     if not bool(valid.any()):
         raise ValueError("no position is recorded in both Routes: nothing to compare")

@@ -75,6 +75,9 @@ def test_mismatched_routes_name_the_difference():
         expert_change(routes([[[[0, 1]]]], E=8), routes([[[[0, 1]]]], E=300))
     with pytest.raises(ValueError, match="no position is recorded in both"):
         expert_change(a, routes([[[[0, 1]]]], mask=[[False]]))
+    none = Routes(torch.zeros(1, 1, 0, 2, dtype=torch.uint8), torch.ones(1, 1, dtype=torch.bool), [])
+    with pytest.raises(ValueError, match=r"no layers \(L = 0\)"):  # found by review: a NaN fraction
+        expert_change(none, none)
 
 
 def reference(a: Routes, b: Routes) -> tuple[float, float, float]:

@@ -283,6 +283,20 @@ def test_from_rows_refuses_layers_it_cannot_hold_and_keeps_rows_without_routes()
     assert r.mask.tolist() == [[False, False], [True, False]]
     with pytest.raises(ValueError, match=r"whole numbers of positions, got \[1.7\]"):
         Routes.from_rows([row[:, :1]], [gate], pad_left=[1.7])
+    # found by review: wider unsigned ids and big-endian arrays crashed in torch, and columns out of range raised
+    # torch's own RuntimeError
+    for given in (
+        row.astype(np.uint32),
+        row.astype(np.uint64),
+        row.astype(">i4"),
+        torch.from_numpy(row).to(torch.uint16),
+    ):
+        assert Routes.from_rows([given], [gate, LayerInfo("model.layers.1.mlp.gate", 4, 2)]).equal(
+            Routes.from_rows([row], [gate, LayerInfo("model.layers.1.mlp.gate", 4, 2)])
+        )
+    for columns in ([0, 5], [0, -1]):
+        with pytest.raises(ValueError, match=r"columns \[0, -?\d\] name columns outside the rows' 2 layer columns"):
+            Routes.from_rows([row], [gate, LayerInfo("model.layers.1.mlp.gate", 4, 2)], columns=columns)
 
 
 def test_errors_name_both_sides(generation):
