@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 
@@ -49,21 +50,70 @@ def inside_reentrant_checkpoint() -> bool:
     return False
 
 
-def reentrant_checkpoint_node() -> weakref.ref | None:
-    """A weak reference to the autograd node of the innermost reentrant checkpoint whose first forward is on the call
-    stack (its `CheckpointFunction.forward`'s `ctx`), or None outside one. When the backward recomputes that forward,
-    `torch._C._current_autograd_node()` is this node: a recompute is told from another micro-batch's, even one whose
-    input is identical, by which checkpoint's backward runs it.
+def checkpoint_chain() -> tuple[weakref.ref, ...]:
+    """Weak references to what identifies the activation checkpoints around the running code: the autograd node (the
+    `ctx`) of each reentrant checkpoint whose first forward is on the call stack, innermost first, then the frame of
+    the innermost non-reentrant checkpoint whose saved-tensor hooks are active. A recompute in the backward is then
+    told from another forward's, even one with identical input, by `recomputing()`.
 
     Example:
-        >>> reentrant_checkpoint_node() is None
-        True
+        >>> checkpoint_chain()
+        ()
     """
+    found = []
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_qualname.endswith(REENTRANT_FORWARD):
             ctx = frame.f_locals.get("ctx")
             if isinstance(ctx, torch.autograd.function.BackwardCFunction):
-                return weakref.ref(ctx)
+                found.append(weakref.ref(ctx))
         frame = frame.f_back
-    return None
+    hook_frame = _hooks_closure("_checkpoint_hook", "frame")
+    if hook_frame is not None:
+        try:
+            found.append(weakref.ref(hook_frame))
+        except TypeError:
+            pass
+    return tuple(found)
+
+
+def recomputing() -> object | None:
+    """What identifies the checkpoint whose recompute is running (an entry of some `checkpoint_chain()` taken in its
+    first forward): the frame of a non-reentrant checkpoint being recomputed (its recomputation hooks are active),
+    else the node of a reentrant checkpoint whose backward runs; None otherwise.
+
+    Example:
+        >>> recomputing() is None
+        True
+    """
+    ref = _hooks_closure("_recomputation_hook", "target_frame_ref")
+    if ref is not None:
+        return ref() if callable(ref) else None
+    node = torch._C._current_autograd_node()
+    return node if is_reentrant_node(node) else None
+
+
+def is_reentrant_node(node: object) -> bool:
+    """Whether autograd node `node` is a reentrant checkpoint's (its forward a `CheckpointFunction.forward`).
+
+    Example:
+        >>> is_reentrant_node(None)
+        False
+    """
+    forward = getattr(getattr(node, "_forward_cls", None), "forward", None)
+    return forward is not None and getattr(forward, "__qualname__", "").endswith(REENTRANT_FORWARD)
+
+
+def _hooks_closure(owner: str, name: str) -> object | None:
+    """The variable `name` of the active saved-tensor pack hook, if torch.utils.checkpoint's `owner` class made it."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+    pack = inspect.unwrap(hooks[0])
+    code = getattr(pack, "__code__", None)
+    if code is None or not pack.__qualname__.startswith(owner + ".") or name not in code.co_freevars:
+        return None
+    try:
+        return pack.__closure__[code.co_freevars.index(name)].cell_contents
+    except (TypeError, ValueError):  # (an empty cell)
+        return None

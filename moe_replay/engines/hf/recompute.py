@@ -4,10 +4,13 @@ A router call will be recomputed when it runs inside a checkpoint, whatever put 
 gradient checkpointing, `torch.utils.checkpoint`, torch's `checkpoint_wrapper` / `apply_activation_checkpointing`,
 the composable `torch.distributed._composable.checkpoint`): a reentrant checkpoint runs its first forward without
 grad inside a `CheckpointFunction.forward`; a non-reentrant one runs it under its own saved-tensor hooks. Such a call
-queues its plan with a fingerprint of the router's input. A recompute is a router call while autograd runs a backward;
-it takes the queued call whose input it reproduces, in any backward order (nested replays, gradient accumulation,
-looped layers inside one checkpoint), and keeps it for a later recompute of the same call (`retain_graph=True`,
-nested checkpoints). A recompute that matches no queued call, or several with different plans, raises.
+queues its plan with the checkpoints around it (`autograd.checkpoint_chain`) and a fingerprint of the router's input. A
+recompute is a router call while autograd runs a backward; it takes the call queued inside the checkpoint being
+recomputed (`autograd.recomputing`), else the queued call whose input it reproduces, in any backward order (nested
+replays, gradient accumulation, looped layers inside one checkpoint), and keeps it for a later recompute of the same
+call (`retain_graph=True`, nested checkpoints). A recompute that matches no queued call, or several with different
+plans, or a reentrant checkpoint's that queued none, raises; a call whose checkpoints were freed unrecomputed is
+forgotten.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import ReplayError
-from ..autograd import inside_reentrant_checkpoint
+from ..autograd import checkpoint_chain, inside_reentrant_checkpoint, is_reentrant_node, recomputing
 from ..fingerprint import FINGERPRINT, matches
 from ..fingerprint import fingerprint as tensor_fingerprint
 from .call import Plan, RouterCall
@@ -56,6 +59,13 @@ class Pending:
     layer: str
     plan: Plan
     fingerprint: torch.Tensor | None
+    checkpoints: tuple = ()  # weak references to the checkpoints around it, and around its recomputes (`take`)
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether every checkpoint around it was freed before recomputing it: none will (a checkpoint whose inputs
+        and parameters need no gradient saves nothing, and its backward never runs)."""
+        return bool(self.checkpoints) and all(ref() is None for ref in self.checkpoints)
 
 
 class RecomputeQueue:
@@ -75,6 +85,8 @@ class RecomputeQueue:
         self.items.append(item)
 
     def count(self, replayer: Any) -> int:
+        """`replayer`'s calls still waiting for their recompute (the abandoned ones are forgotten)."""
+        self.items = [p for p in self.items if not p.abandoned]
         return sum(p.replayer is replayer for p in self.items)
 
     def drop(self, replayer: Any = None, step: Step | None = None) -> None:
@@ -87,12 +99,17 @@ class RecomputeQueue:
         self.done = [p for p in self.done if keep(p)]
 
     def take(self, args: tuple, kwargs: dict) -> Pending | None:
-        """The queued call a recompute with these inputs re-runs; None when nothing was queued at all."""
+        """The queued call a recompute with these inputs re-runs; None when nothing was queued at all. The call queued
+        inside the checkpoint being recomputed, where one is (`autograd.recomputing`), else the one whose input's
+        fingerprint matches; a reentrant checkpoint none of the queued calls ran in is not a replayed forward's."""
         if not self.items and not self.done:
             return None
-        fp = fingerprint(args, kwargs)
+        fp, checkpoint = fingerprint(args, kwargs), recomputing()
         for pool, first in ((self.items, True), (self.done, False)):
             hits = [k for k, p in enumerate(pool) if matches(p.fingerprint, fp)]
+            if checkpoint is not None:
+                own = [k for k in hits if any(ref() is checkpoint for ref in pool[k].checkpoints)]
+                hits = own or hits
             if not hits:
                 continue
             if len(hits) > 1 and not _equal_plans([pool[k].plan for k in hits]):
@@ -102,15 +119,23 @@ class RecomputeQueue:
                     "differ in a few elements only may sample alike): cannot tell which forward it re-runs; run each "
                     "backward before the next forward"
                 )
-            if not first:
-                return pool[hits[-1]]
-            item = pool.pop(hits[0])  # the oldest: a checkpoint re-runs its calls in forward order
-            self.done = [*self.done[-(KEEP_DONE - 1) :], item]
+            k = hits[0] if first else hits[-1]  # (the oldest waiting: a checkpoint re-runs its calls in forward order)
+            item = pool[k]
+            if is_reentrant_node(checkpoint) and not any(ref() is checkpoint for ref in item.checkpoints):
+                raise ReplayError(
+                    f"router {self.router!r} is recomputed in the backward of a checkpoint whose forward replayed "
+                    "nothing (a forward run outside `with replay_routes(...)`, backwarded inside it?): its input "
+                    "matches a replayed call's, whose routes it would take; run each forward's backward inside the "
+                    "context it ran in"
+                )
+            item.checkpoints = (*item.checkpoints, *checkpoint_chain())  # (nested checkpoints run in its recompute)
+            if first:
+                self.done = [*self.done[-(KEEP_DONE - 1) :], pool.pop(k)]
             return item
         raise ReplayError(
             f"router {self.router!r} is recomputed in the backward but its input matches none of the "
             f"{len(self.items)} replayed calls waiting for their recompute: cannot tell which forward it re-runs "
-            "(the model or its inputs changed since the forward?)"
+            "(the model or its inputs changed since the forward, or a forward run outside the replay?)"
         )
 
 
@@ -145,5 +170,7 @@ def at_router(hub: Any, call: RouterCall, args: tuple, kwargs: dict) -> None:
                 "outside `with replay_routes(...)`"
             )
     elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
-        queue.add(Pending(hub.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs)))
+        queue.add(
+            Pending(hub.replayers[-1], call.step, call.layer, call.plan, fingerprint(args, kwargs), checkpoint_chain())
+        )
         hub.queued = True

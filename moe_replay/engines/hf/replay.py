@@ -179,6 +179,8 @@ class RouteReplayer:
         mask = r.mask if full else r.mask[:, start:end]
         host = self._host_mask()
         all_recorded = all_true(host if full else host[:, start:end])
+        if not all_recorded:  # a copy: a recompute in the backward reads it after the routes may have been edited
+            mask = mask.clone()
         L, K, N = len(r.layers), r.indices.shape[-1], mask.numel()
         if N * L * K > SMALL_FORWARD:  # converted per router call instead
             return Span(mask, all_recorded, None, None, 0)

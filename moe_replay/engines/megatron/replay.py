@@ -17,7 +17,7 @@ from torch import nn
 from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import Routes
-from ..autograd import in_backward, reentrant_checkpoint_node
+from ..autograd import checkpoint_chain, in_backward, recomputing
 from ..fingerprint import FINGERPRINT, fingerprint, matches
 from .context import RouterReplayContext, Site, tp_split
 from .pipeline import stage_columns
@@ -105,7 +105,7 @@ class MegatronRouteReplayer(RouterReplayContext):
                     raise ReplayError(
                         f"router {site.name!r}: megatron's REPLAY_BACKWARD queue was changed from outside the context"
                     )
-                k = recomputed_call(site, fingerprint(args[0]), torch._C._current_autograd_node())
+                k = recomputed_call(site, fingerprint(args[0]), recomputing())
                 if k:  # megatron's queue hands its first rows to the recompute: these first
                     site.pending.insert(0, site.pending.pop(k))
                     rr.replay_backward_list.insert(0, rr.replay_backward_list.pop(k))
@@ -120,7 +120,7 @@ class MegatronRouteReplayer(RouterReplayContext):
             # Activation recompute runs the first forward of a checkpointed block without grad inside a forward
             # that has it: exactly the calls the backward will re-run.
             if self._grad_forward[site.chunk] and not torch.is_grad_enabled():
-                site.pending.append((rows, site.mask, fingerprint(args[0]), reentrant_checkpoint_node()))
+                site.pending.append((rows, site.mask, fingerprint(args[0]), checkpoint_chain()))
             else:  # this call is never recomputed: keep Megatron's backward queue in step with ours
                 rr.replay_backward_list.pop()
 
@@ -148,13 +148,13 @@ class MegatronRouteReplayer(RouterReplayContext):
                 )
 
 
-def recomputed_call(site: Site, found: torch.Tensor | None, node: Any = None) -> int:
-    """Which of `site`'s queued calls a recompute whose router input has fingerprint `found` re-runs, inside the
-    backward of autograd node `node`: the call queued inside that node's checkpoint, else the oldest of those whose
-    fingerprint matches, if they hold the same rows; raise `ReplayError` if none matches, or several with other rows.
+def recomputed_call(site: Site, found: torch.Tensor | None, checkpoint: Any = None) -> int:
+    """Which of `site`'s queued calls a recompute of `checkpoint` (`autograd.recomputing()`) whose router input has
+    fingerprint `found` re-runs: the call queued inside that checkpoint, else the oldest of those whose fingerprint
+    matches, if they hold the same rows; raise `ReplayError` if none matches, or several with other rows.
 
     Example:
-        >>> recomputed_call(site, fingerprint(hidden_states), torch._C._current_autograd_node())  # doctest: +SKIP
+        >>> recomputed_call(site, fingerprint(hidden_states), recomputing())  # doctest: +SKIP
         0
     """
     hits = [k for k, (_, _, fp, _) in enumerate(site.pending) if matches(fp, found)]
@@ -164,8 +164,8 @@ def recomputed_call(site: Site, found: torch.Tensor | None, node: Any = None) ->
             f"{len(site.pending)} replayed calls waiting for their recompute (the model or its inputs changed since "
             "the forward?)"
         )
-    if node is not None:  # the recompute of a reentrant checkpoint: the call its first forward queued
-        own = [k for k in hits if site.pending[k][3] is not None and site.pending[k][3]() is node]
+    if checkpoint is not None:  # the call that checkpoint's first forward queued
+        own = [k for k in hits if any(ref() is checkpoint for ref in site.pending[k][3])]
         if own:
             return own[0]
     first = site.pending[hits[0]]

@@ -41,7 +41,7 @@ class Site:
     chunk: int = 0  # which of the given modules (virtual-pipeline chunks) holds it
     position: int = 0  # global MoE-layer index: its column in the whole model's Routes
     saved: tuple = ()
-    # awaiting recompute: (rows, mask, fingerprint of the router input, the enclosing checkpoint's autograd node)
+    # awaiting recompute: (rows, mask, fingerprint of the router input, the checkpoints around it: checkpoint_chain)
     pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any]] = field(default_factory=list)
     mask: torch.Tensor | None = None  # [S_local * B] bool for the current call (False: route live; None: all)
     used: bool = False

@@ -43,8 +43,11 @@ def test_a_context_closed_before_the_backward_of_a_checkpointed_forward_is_an_er
     expected = router_grads(model, ids, mask, routes)
     with pytest.raises(ReplayError, match=r"\d+ replayed router calls still wait for their recompute"):
         with replay_routes(model, routes):
-            model(ids, attention_mask=mask, labels=ids, use_cache=False)
+            loss = model(ids, attention_mask=mask, labels=ids, use_cache=False).loss  # (its backward may still run)
     assert queues_empty(model)  # its calls left with it
+    del loss
+    with replay_routes(model, routes):  # a forward whose graph is freed will never be recomputed: not waited for
+        model(ids, attention_mask=mask, labels=ids, use_cache=False)
     got = router_grads(model, ids, mask, routes)
     assert all(torch.equal(a, b) and a.abs().sum() > 0 for a, b in zip(got, expected, strict=True))
 
@@ -89,3 +92,91 @@ def test_recomputes_of_batches_of_64_that_share_their_first_token_take_their_own
     got = [s.router.weight.grad for s in model_layout(model).sites]
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
+def all_grads(model) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_routes_edited_between_two_forwards_recompute_each_with_its_own(reentrant):
+    """Two forwards of the same batch, the routes' mask edited in place between them, one summed backward: each
+    recompute takes the routes its own forward ran with, found by the checkpoint being recomputed. The queued plans
+    held a view of the mask, so the first forward's recompute took the edit (found by review: 34 of 36 gradients
+    wrong, no error); then, with the mask copied, its identical input could not tell the two apart."""
+    model, ids, mask, routes = checkpointed(reentrant)
+
+    def run(ckpt: bool) -> dict[str, torch.Tensor]:
+        (model.gradient_checkpointing_enable if ckpt else model.gradient_checkpointing_disable)(
+            **({"gradient_checkpointing_kwargs": {"use_reentrant": reentrant}} if ckpt else {})
+        )
+        model.zero_grad(set_to_none=True)
+        edited = type(routes)(routes.indices.clone(), routes.mask.clone(), routes.layers)
+        with replay_routes(model, edited):
+            first = model(ids, attention_mask=mask, labels=ids, use_cache=False).loss
+            edited.mask[0, 3:] = False  # the rest of row 0 routes live in the second forward
+            second = model(ids, attention_mask=mask, labels=ids, use_cache=False).loss
+            (first + second).backward()
+        return all_grads(model)
+
+    want, got = run(False), run(True)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_live_forward_backwarded_inside_a_replay_is_refused_not_given_its_routes():
+    """A checkpointed forward run with no context open and a replayed one of the same batch, backwarded together
+    inside the replay: the live forward's recompute matched the replayed call by its sampled input elements (the
+    routes differ from live routing at two tokens the samples miss) and took its routes (found by review: 12 of 36
+    gradients wrong, no error). A reentrant checkpoint whose forward queued nothing is now refused."""
+    model = tiny_qwen3_moe()
+    perturb(model)
+    ids, mask = left_padded(8, 32, [0] * 8, seed=3)
+    routes = recorded(model, ids, mask)  # live routing, then two tokens of layer 0 swap one expert each
+    a, b = routes.indices[3, 29, 0].tolist(), routes.indices[3, 30, 0].tolist()
+    e1, e2 = next(e for e in a if e not in b), next(e for e in b if e not in a)
+    routes.indices[3, 29, 0, a.index(e1)], routes.indices[3, 30, 0, b.index(e2)] = e2, e1
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    live = model(ids, labels=ids, use_cache=False).loss
+    with pytest.raises(ReplayError, match="recomputed in the backward of a checkpoint whose forward replayed nothing"):
+        with replay_routes(model, routes):
+            (live + model(ids, labels=ids, use_cache=False).loss).backward()
+
+
+def test_a_checkpointed_layer_that_needs_no_gradient_is_not_waited_for():
+    """torch's non-reentrant `checkpoint_wrapper` on every layer, the first one frozen with the embeddings: its
+    checkpoint saves nothing and is never recomputed, so its replayed call was waited for and the context refused to
+    close (found by review); it is forgotten with its checkpoint, and the gradients are those
+    without checkpoints."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model = tiny_qwen3_moe()  # (not transformers' checkpointing: it makes the embeddings' output require grad)
+    ids, mask = left_padded(2, 6, [0, 1])
+    routes = recorded(model, ids, mask)
+    perturb(model)
+    model.train()
+    for p in [*model.model.embed_tokens.parameters(), *model.model.layers[0].parameters()]:
+        p.requires_grad_(False)
+    want = all_grads_of_replay(model, ids, mask, routes)
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: type(m).__name__ == "Qwen3MoeDecoderLayer",
+    )
+    got = all_grads_of_replay(model, ids, mask, routes)
+    assert {n.replace("_checkpoint_wrapped_module.", "") for n in got} == set(want)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name.replace("_checkpoint_wrapped_module.", "")], rtol=1e-5, atol=1e-7)
+
+
+def all_grads_of_replay(model, ids, mask, routes) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    model.zero_grad(set_to_none=True)
+    with replay_routes(model, routes):
+        model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
+    return all_grads(model)
