@@ -130,7 +130,8 @@ class MegatronRouteReplayer(RouterReplayContext):
         self._consumed = True
 
     def _finish(self) -> None:
-        waiting = sum(len(s.pending) for s in self.sites)
+        # (a call whose checkpoints were all freed unrecomputed, its forward's output dropped, is never recomputed)
+        waiting = sum(1 for s in self.sites for *_, chain in s.pending if not chain or any(r() for r in chain))
         if waiting:
             raise ReplayError(
                 f"{waiting} replayed router calls still wait for their recompute: with activation recompute the "
@@ -175,9 +176,9 @@ def recomputed_call(site: Site, found: torch.Tensor | None, checkpoint: Any = No
         if not same or (mask is not None and not torch.equal(mask, first[1])):
             raise ReplayError(
                 f"router {site.name!r} is recomputed in the backward and {FINGERPRINT} sampled elements of its input "
-                f"match those of {len(hits)} waiting replayed calls with different routes, outside a reentrant "
-                "checkpoint queued with them: cannot tell which forward it re-runs; run each backward before the "
-                "next forward"
+                f"match those of {len(hits)} waiting replayed calls with different routes, and none of them was queued "
+                "inside the checkpoint being recomputed: cannot tell which forward it re-runs; run each backward "
+                "before the next forward"
             )
     return hits[0]
 

@@ -63,6 +63,21 @@ def test_recomputes_in_any_backward_order_take_their_own_forwards_routes(order, 
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_a_recompute_left_waiting_is_refused_unless_its_forward_was_dropped():
+    """Under full recompute a forward with grad queues its calls for the backward: leaving the context before it
+    raises while the loss could still be backwarded; a forward whose output was dropped (an old-log-prob pass kept
+    detached) frees its checkpoints, so nothing is waited for (it raised)."""
+    _, ckpt, micro, routes = recompute_pair()
+    tokens, pos, mask, labels = micro[0]
+    with pytest.raises(ReplayError, match="2 replayed router calls still wait for their recompute"):
+        with replay_routes(ckpt, routes[0]):
+            loss = ckpt(tokens, pos, mask, labels=labels)
+    del loss
+    with replay_routes(ckpt, routes[0]):
+        logps = ckpt(tokens, pos, mask, labels=labels).detach()
+    assert torch.isfinite(logps).all()
+
+
 def test_more_routes_than_forwards_is_refused():
     """A list of three Routes used by two forwards gave them the first two micro-batches' routes."""
     model = tiny_gpt()
