@@ -7,8 +7,13 @@ import sys
 import weakref
 
 import torch
+import torch.utils.checkpoint
 
 REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch's, Megatron's, DeepSpeed's; Transformer Engine's ends so
+REENTRANT_BACKWARD = "CheckpointFunction.backward"
+NON_REENTRANT_UNPACK = "_checkpoint_hook.__init__.<locals>.unpack_hook"  # torch.utils.checkpoint's, which recomputes
+CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+CHECKPOINT_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 
 
 def in_backward() -> bool:
@@ -51,9 +56,10 @@ def inside_reentrant_checkpoint() -> bool:
 
 
 def checkpoint_chain() -> tuple[weakref.ref, ...]:
-    """Weak references to what identifies the activation checkpoints around the running code: the autograd node (the
-    `ctx`) of each reentrant checkpoint whose first forward is on the call stack, innermost first, then the frame of
-    the innermost non-reentrant checkpoint whose saved-tensor hooks are active. A recompute in the backward is then
+    """Weak references to what identifies the activation checkpoints around the running code: the frame of the
+    innermost non-reentrant checkpoint whose saved-tensor hooks are active, then, innermost first, the autograd node
+    (the `ctx`) of each reentrant checkpoint whose first forward is on the call stack and the frame of each
+    `torch.utils.checkpoint.checkpoint` (non-reentrant) there. A recompute in the backward is then
     told from another forward's, even one with identical input, by `recomputing()`.
 
     Example:
@@ -61,36 +67,52 @@ def checkpoint_chain() -> tuple[weakref.ref, ...]:
         ()
     """
     found = []
+    hook_frame = _hooks_closure("_checkpoint_hook", "frame")  # (the innermost non-reentrant one, whatever began it)
+    if hook_frame is not None:
+        found.append(hook_frame)
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code.co_qualname.endswith(REENTRANT_FORWARD):
+        code = frame.f_code
+        if code.co_qualname.endswith(REENTRANT_FORWARD):
             ctx = frame.f_locals.get("ctx")
             if isinstance(ctx, torch.autograd.function.BackwardCFunction):
-                found.append(weakref.ref(ctx))
+                found.append(ctx)
+        elif code is CHECKPOINT_CODE:  # a non-reentrant `torch.utils.checkpoint.checkpoint`: its generator's frame
+            gen = frame.f_locals.get("gen")
+            state = getattr(gen, "gi_frame", None)
+            outer = state.f_locals.get("new_frame") if state is not None else None
+            if outer is not None and outer is not hook_frame:
+                found.append(outer)
         frame = frame.f_back
-    hook_frame = _hooks_closure("_checkpoint_hook", "frame")
-    if hook_frame is not None:
+    refs = []
+    for item in found:
         try:
-            found.append(weakref.ref(hook_frame))
+            refs.append(weakref.ref(item))
         except TypeError:
             pass
-    return tuple(found)
+    return tuple(refs)
 
 
 def recomputing() -> object | None:
     """What identifies the checkpoint whose recompute is running (an entry of some `checkpoint_chain()` taken in its
-    first forward): the frame of a non-reentrant checkpoint being recomputed (its recomputation hooks are active),
-    else the node of a reentrant checkpoint whose backward runs; None otherwise.
+    first forward): the innermost on the call stack of a non-reentrant checkpoint's unpack hook (its frame) and a
+    reentrant checkpoint's backward (its autograd node); None outside both.
 
     Example:
         >>> recomputing() is None
         True
     """
-    ref = _hooks_closure("_recomputation_hook", "target_frame_ref")
-    if ref is not None:
-        return ref() if callable(ref) else None
-    node = torch._C._current_autograd_node()
-    return node if is_reentrant_node(node) else None
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_qualname
+        if name.endswith(REENTRANT_BACKWARD):
+            ctx = frame.f_locals.get("ctx")
+            if is_reentrant_node(ctx):
+                return ctx
+        elif name == NON_REENTRANT_UNPACK and frame.f_code.co_filename == CHECKPOINT_FILE:
+            return frame.f_locals.get("frame")
+        frame = frame.f_back
+    return None
 
 
 def is_reentrant_node(node: object) -> bool:

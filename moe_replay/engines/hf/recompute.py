@@ -105,11 +105,14 @@ class RecomputeQueue:
         if not self.items and not self.done:
             return None
         fp, checkpoint = fingerprint(args, kwargs), recomputing()
+
+        def inside(p: Pending) -> bool:
+            return any(ref() is checkpoint for ref in p.checkpoints)
+
+        # (in either pool: a nested checkpoint's recompute, or a second one, finds a call recomputed already)
+        owned = checkpoint is not None and any(inside(p) for p in (*self.items, *self.done))
         for pool, first in ((self.items, True), (self.done, False)):
-            hits = [k for k, p in enumerate(pool) if matches(p.fingerprint, fp)]
-            if checkpoint is not None:
-                own = [k for k in hits if any(ref() is checkpoint for ref in pool[k].checkpoints)]
-                hits = own or hits
+            hits = [k for k, p in enumerate(pool) if matches(p.fingerprint, fp) and (not owned or inside(p))]
             if not hits:
                 continue
             if len(hits) > 1 and not _equal_plans([pool[k].plan for k in hits]):
@@ -121,7 +124,7 @@ class RecomputeQueue:
                 )
             k = hits[0] if first else hits[-1]  # (the oldest waiting: a checkpoint re-runs its calls in forward order)
             item = pool[k]
-            if is_reentrant_node(checkpoint) and not any(ref() is checkpoint for ref in item.checkpoints):
+            if is_reentrant_node(checkpoint) and not owned:
                 raise ReplayError(
                     f"router {self.router!r} is recomputed in the backward of a checkpoint whose forward replayed "
                     "nothing (a forward run outside `with replay_routes(...)`, backwarded inside it?): its input "
