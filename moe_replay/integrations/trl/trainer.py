@@ -33,8 +33,8 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
     `routing_replay`:
     - `"rollout"` (R3): record the experts while TRL generates; the old-log-prob and loss forwards replay them.
     - `"old_logprob"` (R2, the GSPO paper's Routing Replay): record them in the old-log-prob forward; the loss
-      forwards replay them. TRL computes old log-probs only off-policy (`num_iterations > 1`, or
-      `steps_per_generation > gradient_accumulation_steps`); otherwise this mode raises at init.
+      forwards replay them. TRL computes old log-probs only when `gradient_accumulation_steps` is not a multiple
+      of `steps_per_generation * num_iterations`; otherwise this mode raises at init.
     - `None`: exactly `trl.GRPOTrainer`.
 
     The reference model's forward (β ≠ 0, also PEFT's adapter-disabled reference) routes live: the KL term compares
