@@ -44,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ..analysis import measure_update_drift
 
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {args.device!r} is not a torch device") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this torch build or machine has no CUDA device (use --device cpu)")
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)

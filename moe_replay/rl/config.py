@@ -90,6 +90,17 @@ class TrainConfig:
             raise ValueError("eval_every and heldout_prompts must be >= 0")
         if not self.router_scale > 0:
             raise ValueError(f"router_scale must be > 0, got {self.router_scale}")
+        for key in ("steps", "prompts", "checkpoint_every", "warm_start_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size must be >= 2, got {self.group_size}: advantages are relative to a group's other answers, "
+                "so one answer per prompt gives every advantage 0 and nothing is learned"
+            )
+        from .losses import clip_range
+
+        clip_range(self.importance_sampling_level, self.epsilon_low, self.epsilon_high)  # (before the warm start)
         n = self.prompts * self.group_size
         if self.minibatches < 1 or n % self.minibatches:
             raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from .step import answer_logp, minibatch_update, rollout
 from .tasks import Task
 
 STEP_LOG, MINIBATCH_LOG, CHECKPOINT = "steps.csv", "minibatches.csv", "checkpoint"
+WARM_START_FILE = "warm_start.json"  # in `init`: the settings it was warm-started with
+WARM_START_SETTINGS = ("policy", "seed", "task", "task_size", "warm_start_steps", "warm_start_lr", "warm_start_target")
 
 
 class Run:
@@ -54,6 +57,11 @@ class Run:
             state = torch.load(ckpt / "state.pt", weights_only=False)
             self.opt.load_state_dict(state["optimizer"])
             self.step = state["step"]
+            if cfg.steps < self.step:
+                raise ValueError(
+                    f"{self.out} holds a run of {self.step} steps; resuming it with steps={cfg.steps} would label it "
+                    f"a {cfg.steps}-step run: resume with steps >= {self.step}, or start over (`--fresh`)"
+                )
             torch.set_rng_state(state["torch_rng"])
             self.task_gen.set_state(state["task_rng"])
             self.perm_gen.set_state(state["perm_rng"])
@@ -62,6 +70,9 @@ class Run:
             return
         for name in (STEP_LOG, MINIBATCH_LOG):
             (self.out / name).unlink(missing_ok=True)
+        for stale in (ckpt, self.out / (CHECKPOINT + ".tmp")):  # (another run's: a later resume would continue it)
+            if stale.exists():
+                shutil.rmtree(stale)
         self.model = self._initial_policy(progress)
         if cfg.router_scale != 1.0:
             scale_routers(self.model, cfg.router_scale)
@@ -81,6 +92,17 @@ class Run:
 
         cfg = self.cfg
         init = Path(cfg.init) if cfg.init else self.out / "init"
+        settings = {k: getattr(cfg, k) for k in WARM_START_SETTINGS}
+        saved = init / WARM_START_FILE
+        if saved.exists() and (before := json.loads(saved.read_text())) != json.loads(json.dumps(settings)):
+            if cfg.init:  # a shared one: another run's warm start
+                changed = [k for k in settings if before.get(k) != settings[k]]
+                diff = ", ".join(f"{k}={before.get(k)!r} (now {settings[k]!r})" for k in changed)
+                raise ValueError(
+                    f"init {init} was warm-started with {diff}: point `init` at another directory for these settings, "
+                    "or delete it"
+                )
+            shutil.rmtree(init)  # the run's own, from the settings it had before `--fresh`: warm-started again
         if not (init / "config.json").exists():  # warm start once; runs that name the same `init` share it
             model = build_policy(cfg.policy, seed=cfg.seed)
             bar = _bar(cfg.warm_start_steps, "warm start", progress)
@@ -95,6 +117,7 @@ class Run:
             )
             bar.close()
             model.save_pretrained(init)
+            saved.write_text(json.dumps(settings, indent=2))
         return AutoModelForCausalLM.from_pretrained(init)
 
     # ---- one step ----------------------------------------------------------------------------------------------
@@ -196,8 +219,6 @@ class Run:
         }
         torch.save(state, tmp / "state.pt")
         if ckpt.exists():
-            import shutil
-
             shutil.rmtree(ckpt)
         tmp.rename(ckpt)
 
@@ -249,7 +270,8 @@ def check_resumable(saved: Path, config: dict[str, Any]) -> None:
     if not saved.exists():
         return
     before, now = json.loads(saved.read_text()), json.loads(json.dumps(config))
-    changed = [k for k in before if k in now and k != "steps" and before[k] != now[k]]
+    # (`output` names where the run is, however it is spelled or wherever it was moved: not a setting)
+    changed = [k for k in before if k in now and k not in ("steps", "output") and before[k] != now[k]]
     if changed:
         diff = ", ".join(f"{k}={before[k]!r} (now {now[k]!r})" for k in changed)
         raise ValueError(

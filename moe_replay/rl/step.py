@@ -218,6 +218,6 @@ def minibatch_update(
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if batch.weights is not None:
-        extra["sampler_correction/weight_mean"] = weights.float().mean().item() if weights is not None else 1.0
+    if batch.weights is not None:  # the correction's own weights (not times the off-policy mask's zeros)
+        extra["sampler_correction/weight_mean"] = batch.weights[idx].float().mean().item()
     return {"loss": loss.item(), "grad_norm": float(grad_norm), **metrics, **extra}

@@ -180,3 +180,59 @@ def test_router_scale_keeps_the_choice_and_sharpens_or_flattens_the_weights(tmp_
         TrainConfig(router_scale=0)
     out = train(config(tmp_path, init, steps=1, router_scale=4.0), progress=False)
     assert pd.read_csv(out / "steps.csv").shape[0] == 1
+
+
+def test_a_fresh_start_forgets_the_last_runs_checkpoint_and_a_resume_keeps_its_steps(tmp_path, init):
+    """Found by review: a fresh start (`--fresh`) kept the old run's checkpoint, so a later resume of the new run,
+    killed before its first checkpoint, continued the old one under the new config.json with no error; resuming
+    with fewer steps than done relabelled the run; an equivalent spelling of the output was refused."""
+    train(config(tmp_path, init, steps=2), progress=False)  # seed 0, checkpointed at step 2
+    fresh = config(tmp_path, init, steps=3, seed=1, checkpoint_every=10)
+    train(fresh, resume=False, progress=False, stop_after=1)  # killed before any checkpoint of its own
+    resumed = steps_log(train(fresh, progress=False))
+    whole = steps_log(train(config(tmp_path / "whole", init, steps=3, seed=1), progress=False))
+    pd.testing.assert_frame_equal(resumed, whole)
+    with pytest.raises(ValueError, match=r"holds a run of 3 steps; resuming it with steps=2"):
+        train(config(tmp_path, init, steps=2, seed=1, checkpoint_every=10), progress=False)
+    again = config(tmp_path, init, steps=3, seed=1, checkpoint_every=10, output=f"{tmp_path}/./run")
+    pd.testing.assert_frame_equal(steps_log(train(again, progress=False)), whole)
+
+
+def test_an_init_warm_started_with_other_settings_is_refused_or_made_again(tmp_path):
+    """Found by review: an existing `init` was used whatever policy, seed or task the run asked for (a run's result
+    then depended on which run made the shared init first). A shared one is refused naming the settings; a run's own
+    (`<output>/init`) is warm-started again for a fresh start with other settings."""
+    kw = dict(task_size=2, steps=1, prompts=4, group_size=4, minibatches=2, policy=SMALL, warm_start_steps=3)
+    shared = str(tmp_path / "shared")
+    train(TrainConfig(output=str(tmp_path / "a"), init=shared, **kw), progress=False)
+    with pytest.raises(ValueError, match=r"init .*shared was warm-started with seed=0 \(now 1\)"):
+        train(TrainConfig(output=str(tmp_path / "b"), init=shared, seed=1, **kw), progress=False)
+    own = tmp_path / "c"
+    train(TrainConfig(output=str(own), **kw), progress=False)
+    train(TrainConfig(output=str(own), seed=1, **kw), resume=False, progress=False)
+    assert '"seed": 1' in (own / "init" / "warm_start.json").read_text()
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(group_size=1), "group_size must be >= 2"),
+        (dict(checkpoint_every=0), "checkpoint_every must be >= 1"),
+        (dict(warm_start_steps=0), "warm_start_steps must be >= 1"),
+        (dict(prompts=0), "prompts must be >= 1"),
+        (dict(steps=0), "steps must be >= 1"),
+        (dict(epsilon_low=1.5), r"needs 0 <= epsilon_low < 1"),
+    ],
+)
+def test_settings_that_crashed_or_learned_nothing_are_refused_at_once(kw, message):
+    """Found by review: these crashed mid-run (after the warm start) with a traceback, or trained on zero advantages."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kw)
+
+
+def test_drift_on_a_device_this_machine_lacks_is_a_usage_error(init, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as exit_:
+        main(["drift", init, "--device", "cuda"])
+    assert exit_.value.code == 2 and "has no CUDA device" in capsys.readouterr().err
