@@ -84,12 +84,22 @@ def measure_mismatch(
     label: str = "rollout vs trainer",
 ) -> ExpertChange:
     """Training/inference routing mismatch: `routes` recorded elsewhere (during `generate`, by another engine, in
-    another precision) against a teacher-forced forward of `model` on the same `sequences`.
+    another precision) against a teacher-forced forward of `model` on the same `sequences`. Routes recorded where
+    `attention_mask` is 0 (padding) are refused: they were placed in another layout.
 
     Example:
         >>> with record_routes(sampler) as rec:  # doctest: +SKIP
         ...     out = sampler.generate(**batch, do_sample=True, return_dict_in_generate=True)
         >>> measure_mismatch(trainer, out.sequences, mask, rec.routes).fraction  # doctest: +SKIP
     """
+    if attention_mask is not None and tuple(attention_mask.shape) == tuple(routes.mask.shape):
+        padding = routes.mask & (attention_mask.to(routes.mask.device) == 0)
+        if bool(padding.any()):
+            i, t = (int(v) for v in padding.nonzero()[0])
+            raise ValueError(
+                f"routes are recorded at {int(padding.sum())} positions the attention mask leaves out (first: row "
+                f"{i}, position {t}): routes imported without the batch's left padding (`pad_left`) land there; or "
+                "drop those positions first (routes.mask & attention_mask)"
+            )
     trainer = teacher_forced_routes(model, sequences, attention_mask, position_ids=position_ids)
     return expert_change(routes, trainer, label=label)
