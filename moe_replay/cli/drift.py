@@ -104,6 +104,7 @@ def _batch(args: argparse.Namespace, model: torch.nn.Module) -> tuple[torch.Tens
         raise SystemExit(f"{args.prompts} has no prompts")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    tok.padding_side = "right"  # (columns are then positions: the per-position buckets are the tokens' positions)
     enc = tok(lines, return_tensors="pt", padding=True, truncation=True, max_length=args.length)
     if enc["input_ids"].shape[1] < 2:
         raise SystemExit(

@@ -22,3 +22,22 @@ def test_demo_replays_exactly(capsys):
     out = capsys.readouterr().out
     assert "bit-identical logits: True" in out and "same experts as sampling: True" in out
     assert figures["changed_with_replay"] == 0.0 < figures["changed_without_replay"]
+
+
+def test_drift_prompts_are_right_padded_so_that_columns_are_positions(tmp_path, monkeypatch):
+    """`drift --prompts` buckets by position: with a left-padding tokenizer (a model's saved setting) its columns were
+    not the tokens' positions (found by review)."""
+    import argparse
+
+    import transformers
+
+    from moe_replay.cli.drift import _batch
+    from moe_replay.tiny import tiny_moe, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.padding_side = "left"
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: tok)
+    (tmp_path / "prompts.txt").write_text("1+2=3\nab\n12345+6=\n")
+    args = argparse.Namespace(prompts=tmp_path / "prompts.txt", model=str(tmp_path), length=16, device="cpu")
+    ids, mask = _batch(args, tiny_moe(0))
+    assert mask[:, 0].all() and not mask[:, -1].all()  # every row starts at column 0; the shorter ones are padded
