@@ -93,6 +93,27 @@ def checkpoint_chain() -> tuple[weakref.ref, ...]:
     return tuple(refs)
 
 
+def within(chain: tuple[weakref.ref, ...], checkpoint: object) -> bool:
+    """Whether `checkpoint` (`recomputing()`) is among the checkpoints of `chain` (`checkpoint_chain()`).
+
+    Example:
+        >>> within(checkpoint_chain(), None)
+        False
+    """
+    return checkpoint is not None and any(ref() is checkpoint for ref in chain)
+
+
+def freed(chain: tuple[weakref.ref, ...]) -> bool:
+    """Whether every checkpoint of a non-empty `chain` was freed: a call queued inside them, never recomputed yet,
+    never will be (its forward's output was dropped, or its checkpoint saved nothing).
+
+    Example:
+        >>> freed(())
+        False
+    """
+    return bool(chain) and all(ref() is None for ref in chain)
+
+
 def recomputing() -> object | None:
     """What identifies the checkpoint whose recompute is running (an entry of some `checkpoint_chain()` taken in its
     first forward): the innermost on the call stack of a non-reentrant checkpoint's unpack hook (its frame) and a

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import ReplayError
-from ..autograd import checkpoint_chain, inside_reentrant_checkpoint, is_reentrant_node, recomputing
+from ..autograd import checkpoint_chain, freed, inside_reentrant_checkpoint, is_reentrant_node, recomputing, within
 from ..fingerprint import FINGERPRINT, matches
 from ..fingerprint import fingerprint as tensor_fingerprint
 from .call import Plan, RouterCall
@@ -65,7 +65,7 @@ class Pending:
     def abandoned(self) -> bool:
         """Whether every checkpoint around it was freed before recomputing it: none will (a checkpoint whose inputs
         and parameters need no gradient saves nothing, and its backward never runs)."""
-        return bool(self.checkpoints) and all(ref() is None for ref in self.checkpoints)
+        return freed(self.checkpoints)
 
 
 class RecomputeQueue:
@@ -106,13 +106,14 @@ class RecomputeQueue:
             return None
         fp, checkpoint = fingerprint(args, kwargs), recomputing()
 
-        def inside(p: Pending) -> bool:
-            return any(ref() is checkpoint for ref in p.checkpoints)
-
         # (in either pool: a nested checkpoint's recompute, or a second one, finds a call recomputed already)
-        owned = checkpoint is not None and any(inside(p) for p in (*self.items, *self.done))
+        owned = any(within(p.checkpoints, checkpoint) for p in (*self.items, *self.done))
         for pool, first in ((self.items, True), (self.done, False)):
-            hits = [k for k, p in enumerate(pool) if matches(p.fingerprint, fp) and (not owned or inside(p))]
+            hits = [
+                k
+                for k, p in enumerate(pool)
+                if matches(p.fingerprint, fp) and (not owned or within(p.checkpoints, checkpoint))
+            ]
             if not hits:
                 continue
             if len(hits) > 1 and not _equal_plans([pool[k].plan for k in hits]):

@@ -17,7 +17,7 @@ from torch import nn
 from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import Routes
-from ..autograd import checkpoint_chain, in_backward, recomputing
+from ..autograd import checkpoint_chain, freed, in_backward, recomputing, within
 from ..fingerprint import FINGERPRINT, fingerprint, matches
 from .context import RouterReplayContext, Site, tp_split
 from .pipeline import stage_columns
@@ -131,7 +131,7 @@ class MegatronRouteReplayer(RouterReplayContext):
 
     def _finish(self) -> None:
         # (a call whose checkpoints were all freed unrecomputed, its forward's output dropped, is never recomputed)
-        waiting = sum(1 for s in self.sites for *_, chain in s.pending if not chain or any(r() for r in chain))
+        waiting = sum(1 for s in self.sites for *_, chain in s.pending if not freed(chain))
         if waiting:
             raise ReplayError(
                 f"{waiting} replayed router calls still wait for their recompute: with activation recompute the "
@@ -165,10 +165,9 @@ def recomputed_call(site: Site, found: torch.Tensor | None, checkpoint: Any = No
             f"{len(site.pending)} replayed calls waiting for their recompute (the model or its inputs changed since "
             "the forward?)"
         )
-    if checkpoint is not None:  # the call that checkpoint's first forward queued
-        own = [k for k in hits if any(ref() is checkpoint for ref in site.pending[k][3])]
-        if own:
-            return own[0]
+    own = [k for k in hits if within(site.pending[k][3], checkpoint)]  # queued in that checkpoint's first forward
+    if own:
+        return own[0]
     first = site.pending[hits[0]]
     for k in hits[1:]:
         rows, mask, _, _ = site.pending[k]
