@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter, eq, is_
 from typing import Any
 
 from torch import nn
@@ -18,6 +19,7 @@ from .patch import patched_by
 ATTR = "_moe_replay_router_facts"
 DESCRIPTORS = (staticmethod, classmethod, property)  # class attributes `class_methods` keeps besides callables
 SIGNATURES = "_moe_replay_forward_signatures"
+_MRO = attrgetter("__mro__")
 
 
 @dataclass
@@ -107,6 +109,44 @@ def watched(sites: Iterable[RouterSite]) -> dict[type, tuple]:
                 blocks[block] = class_methods(block)
         watch[cls] = (class_methods(cls), frozenset(keys), {b: blocks[b] for b, _ in keys})
     return watch
+
+
+class Unchanged:
+    """What `watched(sites)` reads, kept so that a later context can tell by a few C loops that it would read the same
+    (and reuse its result): the routers' and MoE blocks' classes, the namespace of each class in their MROs (a copy),
+    and each block's own `forward` attribute. Take it where no hub's patch is set on the sites' modules.
+
+    Example:
+        >>> seen = Unchanged(model_layout(model).sites)  # doctest: +SKIP
+        >>> seen.holds()  # doctest: +SKIP
+        True
+    """
+
+    __slots__ = ("routers", "scopes", "types", "forwards", "classes", "mros", "bases", "namespaces")
+
+    def __init__(self, sites: Iterable[RouterSite]) -> None:
+        sites = tuple(sites)
+        self.routers = tuple(s.router for s in sites)
+        self.scopes = tuple(s.scope for s in sites)
+        self.types = (*map(type, self.routers), *map(type, self.scopes))
+        self.forwards = [s.__dict__.get("forward") for s in self.scopes]
+        self.classes = tuple(dict.fromkeys(self.types))
+        self.mros = tuple(cls.__mro__ for cls in self.classes)
+        skip = (nn.Module, object)  # (as `class_methods`)
+        self.bases = tuple(dict.fromkeys(k for mro in self.mros for k in mro if k not in skip))
+        self.namespaces = tuple(dict(vars(k)) for k in self.bases)
+
+    def holds(self) -> bool:
+        """Whether `watched` of the same sites would read what it read when this was taken."""
+        try:  # (values compared by identity first: `==` runs only for a value that changed, and may raise)
+            return (
+                (*map(type, self.routers), *map(type, self.scopes)) == self.types
+                and [s.__dict__.get("forward") for s in self.scopes] == self.forwards
+                and all(map(is_, map(_MRO, self.classes), self.mros))
+                and all(map(eq, map(vars, self.bases), self.namespaces))
+            )
+        except Exception:  # noqa: BLE001 (a changed value whose == raises: changed)
+            return False
 
 
 def own_forward(module: nn.Module) -> Any:

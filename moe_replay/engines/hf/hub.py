@@ -26,7 +26,7 @@ from torch import nn
 from ...errors import ForeignThreadError, NestedContextError, ReplayError
 from .call import Recorder, Replayer, RouterCall
 from .discover import RouterSite
-from .facts import RouterFacts, facts_for, runs_class_methods, signature_cache, stale, watched
+from .facts import RouterFacts, Unchanged, facts_for, runs_class_methods, signature_cache, stale, watched
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
@@ -52,6 +52,7 @@ class RouterHub:
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)
         self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
+        self._watch: tuple[Unchanged, dict] | None = None  # what `watched` read and returned at the last install
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
         self.pending = [RecomputeQueue(s.name) for s in self.sites]
         self.queued = False  # whether any call was queued in `pending` since it was made (recompute.py)
@@ -182,7 +183,13 @@ class RouterHub:
 
     def _install(self) -> None:
         wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
-        watch = watched(self.sites)
+        kept = self._watch
+        if kept is not None and kept[0].holds():  # (`watched` walks every class's namespace: this runs per context)
+            watch = kept[1]
+        else:
+            seen = Unchanged(self.sites)  # (taken first: a change in between is found by the next context)
+            watch = watched(self.sites)
+            self._watch = (seen, watch)
         if wrapped == self._installed and not stale(self.model, watch) and self._patches.redo():
             # the last context's patches, set again as they were (which also means no other hub's patch is on its
             # modules, and no router's class changed since they were set), and no router class's method was patched

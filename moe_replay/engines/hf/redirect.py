@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import torch
@@ -109,11 +110,24 @@ def redirected_forward(forward: types.FunctionType) -> types.FunctionType:
 def refresh(copy: types.FunctionType, forward: types.FunctionType) -> None:
     """Copy again into the redirected `copy` of `forward` the module globals and torch attributes its code reads, so
     that it runs what `forward` would run now (a kernel library or a user may patch its module between contexts).
+    Nothing is copied when they are all what the last refresh copied (told by two C loops: this runs per context).
 
     Example:
         >>> refresh(fast, type(router).forward)  # doctest: +SKIP
     """
     scope, source, proxy = copy.__globals__, forward.__globals__, copy.torch_proxy
+    kept = copy.__dict__.get("refreshed")  # (read globals, their values, names read from builtins, torch's values)
+    if kept is not None:
+        read, values, builtin, read_torch, torch_values = kept
+        try:  # (values compared by identity first: `==` runs only for a value that changed, and may raise)
+            if (
+                read(source) == values
+                and not any(map(source.__contains__, builtin))
+                and read_torch(torch) == torch_values
+            ):
+                return
+        except Exception:  # noqa: BLE001 (a changed value whose == raises: copied again)
+            pass
     missing = object()
     for name in copy.global_names:
         value = source.get(name, missing)
@@ -125,6 +139,21 @@ def refresh(copy: types.FunctionType, forward: types.FunctionType) -> None:
             scope[name] = value
     for name in copy.torch_names:
         setattr(proxy, name, getattr(torch, name))
+    present = [n for n in copy.global_names if n in source]
+    read = _getter(itemgetter, present)
+    read_torch = _getter(attrgetter, copy.torch_names)
+    builtin = tuple(n for n in copy.global_names if n not in source)
+    copy.refreshed = (read, read(source), builtin, read_torch, read_torch(torch))
+
+
+def _getter(make: Callable[..., Any], names: Sequence[str]) -> Callable[[Any], tuple]:
+    """`make(*names)` (`itemgetter` or `attrgetter`) that always returns a tuple (the first name read twice: one name
+    alone would return the bare value, whose `==` may not be a bool)."""
+    return make(*names, names[0]) if names else _nothing
+
+
+def _nothing(_: object) -> tuple:
+    return ()
 
 
 def run_redirected(

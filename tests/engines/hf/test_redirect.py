@@ -141,3 +141,29 @@ def test_the_redirected_forward_runs_what_its_module_holds_when_a_context_opens(
     fast, _ = replayed(model, rec.routes, ids, 1)
     mode, _ = replayed(model, rec.routes, ids, 0)
     assert torch.equal(fast, mode) and not torch.equal(fast, before)
+
+
+def test_the_redirected_forward_runs_the_torch_attributes_torch_holds_when_a_context_opens(monkeypatch):
+    """The same for what the forward reads as `torch.<name>` (the proxy holds torch's attributes as they were): a
+    torch attribute replaced between contexts is read again as the next context opens, and a context that finds
+    nothing replaced copies nothing."""
+    import types
+
+    model = build_tiny_model("qwen3_moe").eval()
+    ids = torch.randint(5, 100, (2, 10))
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids)
+    before, _ = replayed(model, rec.routes, ids, None)
+    assert facts_of(model).redirect == {False: 1}
+    copy = next(iter(model._moe_replay_layout.kept["hub"].redirects._forwards.values()))
+    kept = copy.refreshed
+    again, _ = replayed(model, rec.routes, ids, None)
+    assert torch.equal(again, before) and copy.refreshed is kept  # nothing replaced: nothing copied
+    F = torch.nn.functional
+    functional = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
+    functional.softmax = lambda x, *a, **k: F.softmax(2 * x, *a, **k)  # what the Qwen3 router reads as torch.nn...
+    monkeypatch.setattr(torch, "nn", types.SimpleNamespace(**{**vars(torch.nn), "functional": functional}))
+    fast, _ = replayed(model, rec.routes, ids, 1)
+    mode, _ = replayed(model, rec.routes, ids, 0)
+    assert copy.refreshed is not kept
+    assert torch.equal(fast, mode) and not torch.equal(fast, before)
