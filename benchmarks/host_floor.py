@@ -27,13 +27,13 @@ import torch
 from host_cost import interleaved, paired_ratio
 from run import TINY, build
 
-from moe_replay import find_routers, record_routes, replay_routes
+from moe_replay import Routes, find_routers, record_routes, replay_routes
 from moe_replay.engines.hf.layout import model_layout
 from moe_replay.engines.hf.redirect import redirected_forward
 from moe_replay.engines.hf.replay import columns_for
 
 
-def bare_replay(model: torch.nn.Module, ids: torch.Tensor, routes: object) -> Callable[[], object]:
+def bare_replay(model: torch.nn.Module, ids: torch.Tensor, routes: Routes) -> Callable[[], object]:
     """A forward replaying `routes` with nothing but the work itself (see the module docstring)."""
     gates = [site.router for site in find_routers(model)]
     copy = redirected_forward(type(gates[0]).forward)
