@@ -11,8 +11,10 @@ import torch.utils.checkpoint
 
 REENTRANT_FORWARD = "CheckpointFunction.forward"  # torch's, Megatron's, DeepSpeed's; Transformer Engine's ends so
 REENTRANT_BACKWARD = "CheckpointFunction.backward"
-NON_REENTRANT_UNPACK = "_checkpoint_hook.__init__.<locals>.unpack_hook"  # torch.utils.checkpoint's, which recomputes
 CHECKPOINT_FILE = torch.utils.checkpoint.__file__
+CHECKPOINT_MODULE = torch.utils.checkpoint.__name__
+CHECKPOINT_HOOK = "_checkpoint_hook"  # the saved-tensor hooks class under which its first forward runs
+NON_REENTRANT_UNPACK = CHECKPOINT_HOOK + ".__init__.<locals>.unpack_hook"  # its unpack hook, which recomputes
 CHECKPOINT_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 
 
@@ -67,7 +69,7 @@ def checkpoint_chain() -> tuple[weakref.ref, ...]:
         ()
     """
     found = []
-    hook_frame = _hooks_closure("_checkpoint_hook", "frame")  # (the innermost non-reentrant one, whatever began it)
+    hook_frame = _checkpoint_frame()  # (the innermost non-reentrant one, whatever began it)
     if hook_frame is not None:
         found.append(hook_frame)
     frame = sys._getframe(1)
@@ -147,16 +149,33 @@ def is_reentrant_node(node: object) -> bool:
     return forward is not None and getattr(forward, "__qualname__", "").endswith(REENTRANT_FORWARD)
 
 
-def _hooks_closure(owner: str, name: str) -> object | None:
-    """The variable `name` of the active saved-tensor pack hook, if torch.utils.checkpoint's `owner` class made it."""
+def checkpoint_pack_hook() -> object | None:
+    """The active saved-tensor pack hook (unwrapped) if `torch.utils.checkpoint`'s non-reentrant checkpoint set it,
+    that is while the first forward of such a checkpoint runs; else None.
+
+    Example:
+        >>> checkpoint_pack_hook() is None
+        True
+    """
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
         return None
     pack = inspect.unwrap(hooks[0])
+    if getattr(pack, "__module__", "") == CHECKPOINT_MODULE and getattr(pack, "__qualname__", "").startswith(
+        CHECKPOINT_HOOK + "."
+    ):
+        return pack
+    return None
+
+
+def _checkpoint_frame() -> object | None:
+    """The frame (torch's `_CheckpointFrame`) of the non-reentrant checkpoint whose pack hook is active, read from the
+    hook's closure; None outside one."""
+    pack = checkpoint_pack_hook()
     code = getattr(pack, "__code__", None)
-    if code is None or not pack.__qualname__.startswith(owner + ".") or name not in code.co_freevars:
+    if code is None or "frame" not in code.co_freevars:
         return None
     try:
-        return pack.__closure__[code.co_freevars.index(name)].cell_contents
+        return pack.__closure__[code.co_freevars.index("frame")].cell_contents
     except (TypeError, ValueError):  # (an empty cell)
         return None

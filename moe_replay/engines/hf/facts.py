@@ -6,7 +6,7 @@ live on the model (not in module globals) so they are learned once per model and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter, eq, is_
 from typing import Any
@@ -74,14 +74,16 @@ def class_methods(cls: type) -> tuple[tuple[str, Any], ...]:
         ['__init__', 'extra_repr', 'forward', 'reset_parameters', 'score']
     """
     found: dict[str, Any] = {}
-    module = nn.Module
-    for klass in cls.__mro__:
-        if klass is module or klass is object:
-            continue
+    for klass in _below_module(cls.__mro__):
         for name, value in vars(klass).items():
             if name not in found and (callable(value) or isinstance(value, DESCRIPTORS)):
                 found[name] = value
     return tuple(found.items())  # (in definition order: a method patched in place keeps its place)
+
+
+def _below_module(mro: tuple[type, ...]) -> Iterator[type]:
+    """The classes of `mro` whose methods a router class's facts depend on: all but `nn.Module` and `object`."""
+    return (klass for klass in mro if klass is not nn.Module and klass is not object)
 
 
 def watched(sites: Iterable[RouterSite]) -> dict[type, tuple]:
@@ -132,8 +134,7 @@ class Unchanged:
         self.forwards = [s.__dict__.get("forward") for s in self.scopes]
         self.classes = tuple(dict.fromkeys(self.types))
         self.mros = tuple(cls.__mro__ for cls in self.classes)
-        skip = (nn.Module, object)  # (as `class_methods`)
-        self.bases = tuple(dict.fromkeys(k for mro in self.mros for k in mro if k not in skip))
+        self.bases = tuple(dict.fromkeys(k for mro in self.mros for k in _below_module(mro)))  # (as class_methods)
         self.namespaces = tuple(dict(vars(k)) for k in self.bases)
 
     def holds(self) -> bool:

@@ -22,7 +22,15 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import ReplayError
-from ..autograd import checkpoint_chain, freed, inside_reentrant_checkpoint, is_reentrant_node, recomputing, within
+from ..autograd import (
+    checkpoint_chain,
+    checkpoint_pack_hook,
+    freed,
+    inside_reentrant_checkpoint,
+    is_reentrant_node,
+    recomputing,
+    within,
+)
 from ..fingerprint import FINGERPRINT, matches
 from ..fingerprint import fingerprint as tensor_fingerprint
 from .call import Plan, RouterCall
@@ -39,9 +47,7 @@ def will_be_recomputed(step: Step) -> bool:
         return False
     if not torch.is_grad_enabled():
         return inside_reentrant_checkpoint()  # else user code under no_grad: never recomputed
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    pack = hooks[0] if hooks is not None else None
-    return getattr(pack, "__module__", "") == "torch.utils.checkpoint" and "_checkpoint_hook" in pack.__qualname__
+    return checkpoint_pack_hook() is not None  # (a non-reentrant checkpoint's first forward)
 
 
 def fingerprint(args: tuple, kwargs: dict) -> torch.Tensor | None:

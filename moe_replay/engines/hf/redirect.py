@@ -128,22 +128,19 @@ def refresh(copy: types.FunctionType, forward: types.FunctionType) -> None:
                 return
         except Exception:  # noqa: BLE001 (a changed value whose == raises: copied again)
             pass
-    missing = object()
+    missing, present, builtin = object(), [], []
     for name in copy.global_names:
         value = source.get(name, missing)
-        if value is torch:
-            scope[name] = proxy
-        elif value is missing:
+        if value is missing:
             scope.pop(name, None)  # (read from builtins, as by `forward`)
-        else:
-            scope[name] = value
+            builtin.append(name)
+            continue
+        scope[name] = proxy if value is torch else value
+        present.append(name)
     for name in copy.torch_names:
         setattr(proxy, name, getattr(torch, name))
-    present = [n for n in copy.global_names if n in source]
-    read = _getter(itemgetter, present)
-    read_torch = _getter(attrgetter, copy.torch_names)
-    builtin = tuple(n for n in copy.global_names if n not in source)
-    copy.refreshed = (read, read(source), builtin, read_torch, read_torch(torch))
+    read, read_torch = _getter(itemgetter, present), _getter(attrgetter, copy.torch_names)
+    copy.refreshed = (read, read(source), tuple(builtin), read_torch, read_torch(torch))
 
 
 def _getter(make: Callable[..., Any], names: Sequence[str]) -> Callable[[Any], tuple]:
