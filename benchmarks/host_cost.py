@@ -42,13 +42,16 @@ TARGETS = {  # issue 18: (work, model) -> largest ratio
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int, shuffle: random.Random | None = None
+    fns: dict[str, Callable[[], object]], repeats: int, shuffle: random.Random | None = None, device: str = "cpu"
 ) -> dict[str, list[float]]:
     """Main-thread CPU seconds of each function in every round, all run in one loop (order reversed every round,
     after a warm-up), so that every row compares work done under the same machine state. With `shuffle`, the order is
     random in every round instead: with many functions, a fixed order (even reversed every round) gives each the same
     neighbours round after round, and what a neighbour leaves behind (the allocator's and the caches' state) then
-    biases its ratio; a random order turns it into noise."""
+    biases its ratio; a random order turns it into noise. On a CUDA `device`, wall seconds from a synchronized start
+    to a synchronized end instead (what a user waits for: host time the GPU's queue does not hide)."""
+    cuda = device.startswith("cuda")
+    clock = time.perf_counter if cuda else time.thread_time
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -58,9 +61,13 @@ def interleaved(
             shuffle.shuffle(names)
         order = names if shuffle is not None or r % 2 else names[::-1]
         for name in order:
-            t0 = time.thread_time()
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = clock()
             fns[name]()
-            times[name].append(time.thread_time() - t0)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times[name].append(clock() - t0)
     return times
 
 
@@ -74,11 +81,11 @@ def paired_ratio(ours: list[float], plain: list[float]) -> float:
 HELD = 10  # forwards per held-open context in the second replay row
 
 
-def replay_forward(spec: dict, batch: int, length: int) -> tuple[Callable[[], object], ...]:
-    """On one model: (a replayed forward with the context opened and closed around it, `HELD` replayed forwards in
-    one context, one plain forward, `HELD` plain forwards) of one [batch, length] batch, no grad."""
-    model = build(spec, "cpu")
-    ids = torch.randint(1, 1024, (batch, length), generator=torch.Generator().manual_seed(1))
+def replay_forward(spec: dict, batch: int, length: int, device: str = "cpu") -> tuple[Callable[[], object], ...]:
+    """On one model: (the model, a replayed forward with the context opened and closed around it, `HELD` replayed
+    forwards in one context, one plain forward, `HELD` plain forwards) of one [batch, length] batch, no grad."""
+    model = build(spec, device)
+    ids = torch.randint(1, 1024, (batch, length), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
     routes = rec.routes
@@ -109,27 +116,31 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes)")
     ap.add_argument("--csv", type=Path, default=None, help="default: benchmarks/results_host_cost[_quick].csv")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: thread_time sees all work)")
+    ap.add_argument("--device", default="cpu", help="cuda: the same rows on a GPU, timed in wall seconds (see above)")
     args = ap.parse_args()
     reps_fwd, reps_gen = (100, 5) if args.quick else (400, 61)
     torch.set_num_threads(args.threads)
     rows, met = [], []
     for label, spec in (("tiny", TINY), ("realistic", REALISTIC)):
-        model, ours, held, plain, plain_held = replay_forward(spec, batch=1, length=32)
+        model, ours, held, plain, plain_held = replay_forward(spec, batch=1, length=32, device=args.device)
         layers = model.config.num_hidden_layers
         scale = 1 if label == "tiny" else 2  # the realistic forward is about 15x slower: fewer repeats (8 rounds
         # were too few: an A/A row at 1.077). The tiny rows take 400 rounds (26 s): medians of 80 rounds of one run
         # ranged 1.071-1.097 for the same replayed forward
         rounds = reps_fwd if label == "tiny" else reps_fwd // scale // HELD * 2
         forwards = interleaved(
-            {"ours": ours, "held": held, "plain": plain, "plain2": plain, "plain_held": plain_held}, max(5, rounds)
+            {"ours": ours, "held": held, "plain": plain, "plain2": plain, "plain_held": plain_held},
+            max(5, rounds),
+            device=args.device,
         )
         generates = interleaved(
             {
-                "record": generate_fn(model, 1, 32, "cpu", True),
-                "plain": generate_fn(model, 1, 32, "cpu", False),
-                "plain2": generate_fn(model, 1, 32, "cpu", False),
+                "record": generate_fn(model, 1, 32, args.device, True),
+                "plain": generate_fn(model, 1, 32, args.device, False),
+                "plain2": generate_fn(model, 1, 32, args.device, False),
             },
             max(5, reps_gen * 2 // (scale + 1)),  # 61 rounds tiny, 40 realistic (21 left an A/A row at 0.972)
+            device=args.device,
         )
         for work, (t_ours, t_base), calls in (
             ("replay forward", (forwards["ours"], forwards["plain"]), layers),
