@@ -9,7 +9,8 @@ Each ratio is measured side by side in one process against the same work without
 variants of a model run in one loop (order reversed every round), and so do the generate variants; a ratio is the
 median over rounds of ours / plain within the round, and an A/A row compares two copies of the plain work from the
 same loop. Times are the main thread's CPU time on one torch thread (`time.thread_time`): the host work a GPU run
-would do, less disturbed by other processes than wall time. The ms columns are medians over rounds.
+would do, less disturbed by other processes than wall time. The ms columns are medians over rounds. With
+`--device cuda` the models and batches are on the GPU and times are wall seconds between synchronizations.
 Extra host time per router call = (ratio - 1) x the plain work's median / the number of router calls in the work (L
 per forward; L per decode step under generate). Replay is measured twice: with the context opened and closed around
 every forward (a log-prob chunk, a minibatch) and with one context around 10 forwards, against 10 plain forwards of
@@ -116,7 +117,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes)")
     ap.add_argument("--csv", type=Path, default=None, help="default: benchmarks/results_host_cost[_quick].csv")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: thread_time sees all work)")
-    ap.add_argument("--device", default="cpu", help="cuda: the same rows on a GPU, timed in wall seconds (see above)")
+    ap.add_argument("--device", default="cpu", help="cuda: the same rows on a GPU, in wall seconds (synchronized)")
     args = ap.parse_args()
     reps_fwd, reps_gen = (100, 5) if args.quick else (400, 61)
     torch.set_num_threads(args.threads)

@@ -5,7 +5,7 @@ between a loop's generates, and the row's ratio moves with the loop.
     python benchmarks/host_pages.py            # about 5 minutes: both parts, with the default heap and on huge pages
     python benchmarks/host_pages.py --rounds 30 --no-huge
 
-1. **No moe-replay.** A loop touches N small Python objects (a dict and a list each, spread among other allocations)
+1. **No moe-replay.** A loop touches N small Python objects (a dict and a list each, with 5 MB allocated after them)
    right after the thread spins for a while without touching memory (1 ms to 500 ms); main-thread CPU time, median
    over repetitions. A cache miss costs about 0.1 µs; what a touch costs beyond that is the machine's.
 2. **The recording row** of host_cost.py (the tiny model, B=1, 32 new tokens under `generate`, the routes built), as
@@ -47,7 +47,7 @@ def spin(seconds: float) -> None:
 def idle_touch(repeats: int) -> dict[float, float]:
     """Median µs to touch `OBJECTS` objects after spinning each time in `IDLE` (no moe-replay)."""
     objects = [{"a": i, "b": [i, i + 1]} for i in range(OBJECTS)]
-    spread = [bytearray(200) for _ in range(OBJECTS * 10)]  # other allocations between and after them
+    spread = [bytearray(200) for _ in range(OBJECTS * 10)]  # other allocations after them (about 5 MB)
 
     def touch() -> int:
         total = 0
