@@ -2,7 +2,7 @@
 to touch again than a cache miss, by an amount that grows with how long it sat idle; moe-replay's objects sit idle
 between a loop's generates, and the row's ratio moves with the loop.
 
-    python benchmarks/host_pages.py            # about 5 minutes: both parts, with the default heap and on huge pages
+    python benchmarks/host_pages.py            # about 10 minutes: every part, with the default heap and on huge pages
     python benchmarks/host_pages.py --rounds 30 --no-huge
 
 1. **No moe-replay.** A loop touches N small Python objects (a dict and a list each, with 5 MB allocated after them)
@@ -13,8 +13,11 @@ between a loop's generates, and the row's ratio moves with the loop.
    copies) or 5 plain generates in each round: the more work between two recorded generates, the longer moe-replay's
    objects sit idle. Then back to back: blocks of 4 recorded generates, 4 plain ones and 4 more plain ones (the A/A),
    in an order reversed every round, the first of each block dropped (the others' objects last ran in the block).
+3. **Code or data.** A recording context's construction and enter (with its exit, untimed) after the thread spun
+   for 160 ms: on one tiny model (moe-replay's code and that model's hub idle), right after on a second tiny model
+   (its hub idle, the code just ran), and once more on the second (warm).
 
-Both parts run again in a child process whose heap is on transparent huge pages (`PYTHONMALLOC=malloc` with glibc's
+Every part runs again in a child process whose heap is on transparent huge pages (`PYTHONMALLOC=malloc` with glibc's
 `glibc.malloc.hugetlb=1`): one page table entry per 2 MiB instead of per 4 KiB. Writes
 benchmarks/results_host_pages.csv (or --csv).
 """
@@ -99,8 +102,40 @@ def recording_row(rounds: int) -> dict[str, tuple[float, float | None]]:
     return rows
 
 
+def code_or_data(repeats: int) -> dict[str, float]:
+    """Median µs of a recording context's construction and enter after 160 ms of spinning: first on one model, then
+    on another (only its hub idle), then on that one again (warm)."""
+    import torch
+    from run import TINY, build
+
+    from moe_replay import record_routes
+
+    models = [build(TINY, "cpu"), build(TINY, "cpu")]
+    ids = torch.randint(1, 1024, (1, 32), generator=torch.Generator().manual_seed(1))
+
+    def enter(model: torch.nn.Module) -> float:
+        t0 = time.thread_time()
+        context = record_routes(model)
+        context.__enter__()
+        took = time.thread_time() - t0
+        context.__exit__(None, None, None)
+        return took
+
+    for model in models * 2:  # each model's hub made, its facts learned
+        with torch.no_grad(), record_routes(model):
+            model(ids)
+    names = ("first model: code and hub idle", "second model: its hub idle", "second model again: warm")
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        spin(0.16)
+        first, second = models if r % 2 else models[::-1]
+        for name, model in zip(names, (first, second, second), strict=True):
+            times[name].append(enter(model))
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
 def measure(rounds: int, heap: str) -> list[dict]:
-    """Both parts in this process, as CSV rows."""
+    """Every part in this process, as CSV rows."""
     print(f"heap: {heap}", flush=True)
     out = []
     for seconds, us in idle_touch(max(3, rounds // 5)).items():
@@ -110,6 +145,16 @@ def measure(rounds: int, heap: str) -> list[dict]:
     for name, (ratio, aa) in recording_row(rounds).items():
         aa_cell = "" if aa is None else round(aa, 4)
         out.append({"heap": heap, "measure": f"tiny recording row, {name}", "value": round(ratio, 4), "aa": aa_cell})
+    for name, us in code_or_data(max(10, rounds // 2)).items():
+        out.append(
+            {
+                "heap": heap,
+                "measure": f"recording context's enter after 160 ms idle, {name}, us",
+                "value": round(us, 1),
+                "aa": "",
+            }
+        )
+        print(f"  enter after 160 ms idle, {name}: {us:.1f} us", flush=True)
     return out
 
 
