@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from run import REALISTIC, TINY, build, generate_fn
+from run import REALISTIC, TINY, build, generate_fn, sync
 
 from moe_replay import record_routes, replay_routes
 
@@ -51,8 +51,7 @@ def interleaved(
     neighbours round after round, and what a neighbour leaves behind (the allocator's and the caches' state) then
     biases its ratio; a random order turns it into noise. On a CUDA `device`, wall seconds from a synchronized start
     to a synchronized end instead (what a user waits for: host time the GPU's queue does not hide)."""
-    cuda = device.startswith("cuda")
-    clock = time.perf_counter if cuda else time.thread_time
+    clock = time.perf_counter if device.startswith("cuda") else time.thread_time
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -62,12 +61,10 @@ def interleaved(
             shuffle.shuffle(names)
         order = names if shuffle is not None or r % 2 else names[::-1]
         for name in order:
-            if cuda:
-                torch.cuda.synchronize(device)
+            sync(device)
             t0 = clock()
             fns[name]()
-            if cuda:
-                torch.cuda.synchronize(device)
+            sync(device)
             times[name].append(clock() - t0)
     return times
 

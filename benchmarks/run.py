@@ -53,17 +53,18 @@ def paired(a: Callable[[], object], b: Callable[[], object], repeats: int, devic
     ta, tb = [], []
     for r in range(repeats):
         for fn, out in ((a, ta), (b, tb)) if r % 2 else ((b, tb), (a, ta)):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             out.append(time.perf_counter() - t0)
     return statistics.median(ta), statistics.median(tb)
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
+    """Wait for `device`'s queued work if it is a CUDA device (nothing to wait for on the CPU)."""
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def generate_fn(model: torch.nn.Module, batch: int, new: int, device: str, record: bool) -> Callable[[], object]:
