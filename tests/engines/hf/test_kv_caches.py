@@ -9,9 +9,10 @@ import weakref
 
 import pytest
 import torch
-from helpers import PAD, left_padded
+from helpers import PAD, left_padded, perturb, sampled, tiny_qwen3_moe
+from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
-from moe_replay import UnsupportedGenerationError, record_routes
+from moe_replay import UnsupportedGenerationError, find_routers, record_routes, replay_routes
 
 
 def test_a_cache_emptied_between_two_generates_starts_a_new_batch(qwen):
@@ -174,3 +175,43 @@ def test_a_mask_preallocated_for_a_static_cache_records_the_steps_own_columns(qw
                 out = qwen(token, attention_mask=given, cache=cache, cache_position=torch.tensor([5 + k]))
         masks.append(rec.routes.mask)
     assert torch.equal(masks[1], masks[0]) and masks[0].sum() == 14 and not masks[0][1, :2].any()
+
+
+@pytest.mark.parametrize("cache", ALL_CACHE_IMPLEMENTATIONS)
+def test_every_cache_implementation_records_what_each_router_selected_and_replays_it(cache):
+    """Under `generate` with each of transformers' cache implementations (left padding, 4 new tokens): the routes hold,
+    at each prompt and generated position, what forward hooks on the routers (no moe-replay) saw them select, with
+    padding and the last sampled token unrecorded; a replay of them under the same cache, on a perturbed model, makes
+    every router select them again."""
+    if cache.startswith("offloaded") and not torch.cuda.is_available():
+        pytest.skip("transformers' offloaded caches need CUDA")
+    if cache == "quantized":
+        pytest.importorskip("optimum.quanto")  # (the dev extra installs it)
+    device = "cuda" if cache.startswith("offloaded") else "cpu"
+    qwen = tiny_qwen3_moe().to(device)
+    ids, mask = (t.to(device) for t in left_padded(3, 6, [2, 0, 1]))
+    sites, seen = find_routers(qwen), {}
+    handles = [
+        s.router.register_forward_hook(lambda m, a, out, n=s.name: seen.setdefault(n, []).append(out[2].clone()))
+        for s in sites
+    ]
+    torch.manual_seed(0)
+    try:
+        with torch.no_grad():
+            out, routes = sampled(qwen, ids, mask, 4, cache_implementation=cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert out.sequences.shape == (3, 10) and routes.indices.shape[:3] == (3, 10, len(sites))
+    assert torch.equal(routes.mask[:, :6], mask.bool()) and routes.mask[:, 6:-1].all() and not routes.mask[:, -1].any()
+    for layer, site in enumerate(sites):
+        prefill, *steps = seen[site.name]  # [B * 6, K], then [B, K] per decode step
+        hooked = torch.cat([prefill.view(3, 6, -1)] + [s.view(3, 1, -1) for s in steps], 1)
+        assert hooked.shape[1] == 9  # (the last sampled token is never fed)
+        got = routes.indices[:, :9, layer].to(hooked.dtype)
+        assert torch.equal(got[routes.mask[:, :9]], hooked[routes.mask[:, :9]])
+    perturb(qwen)
+    torch.manual_seed(1)
+    with torch.no_grad(), replay_routes(qwen, routes), record_routes(qwen) as used:
+        sampled(qwen, ids, mask, 4, cache_implementation=cache)
+    assert torch.equal(used.routes.indices[routes.mask], routes.indices[routes.mask])
