@@ -30,7 +30,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -171,8 +170,9 @@ def main() -> int:
     rows = measure(args.rounds, "default")
     if not args.no_huge:
         cmd = [sys.executable, __file__, "--rounds", str(args.rounds), "--_child"]
-        child = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, **HUGE})
-        lines = child.stdout.strip().splitlines()
+        from run import child_stdout
+
+        lines = child_stdout(cmd, env={**os.environ, **HUGE}).strip().splitlines()
         print("\n".join(lines[:-1]))
         rows += json.loads(lines[-1])
     with args.csv.open("w", newline="") as f:

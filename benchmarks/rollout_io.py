@@ -14,7 +14,6 @@ import base64
 import csv
 import pickle
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from run import child_stdout
 
 from moe_replay import LayerInfo, Routes
 from moe_replay.integrations.sglang import routes_from_sglang
@@ -138,10 +138,8 @@ def main() -> None:
         for kind, data in (("sglang", responses), ("vllm", arrays)):
             dump = Path(tmp) / f"{kind}.pkl"
             dump.write_bytes(pickle.dumps(data))
-            out = subprocess.run(
-                [sys.executable, __file__, "--_peak", kind, str(dump)], capture_output=True, text=True, check=True
-            )
-            grew, final = (int(v) for v in out.stdout.split())
+            out = child_stdout([sys.executable, __file__, "--_peak", kind, str(dump)])
+            grew, final = (int(v) for v in out.split())
             bound = (decoded if kind == "sglang" else 0) + 2 * final
             add(
                 f"{kind} import: peak memory growth vs {'decoded payload + ' if kind == 'sglang' else ''}2x Routes",

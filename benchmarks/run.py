@@ -67,6 +67,14 @@ def sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
+def child_stdout(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    """The stdout of `cmd` run to completion; a failed child raises with the end of its stderr (not only its code)."""
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
 def generate_fn(model: torch.nn.Module, batch: int, new: int, device: str, record: bool) -> Callable[[], object]:
     ids = torch.randint(1, 1024, (batch, 32), generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -86,8 +94,8 @@ def generate_fn(model: torch.nn.Module, batch: int, new: int, device: str, recor
 def peak_memory(spec: str, batch: int, new: int, device: str, record: bool) -> int:
     """Peak memory (bytes) of one generate in a fresh subprocess: peak RSS on CPU, peak allocated on CUDA."""
     cmd = [sys.executable, __file__, "--_peak", spec, str(batch), str(new), device, "1" if record else "0"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
-    return int(out.stdout.strip().splitlines()[-1])
+    out = child_stdout(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
+    return int(out.strip().splitlines()[-1])
 
 
 def _peak_child(spec: str, batch: int, new: int, device: str, record: bool) -> None:
