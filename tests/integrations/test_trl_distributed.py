@@ -40,7 +40,11 @@ def test_two_processes_replay_their_own_rows(tmp_path):
                 text=True,
             )
         )
-    logs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:  # (a rank that hangs is not left running after the test)
+        for p in procs:
+            p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world"] for r in results] == [2, 2]
