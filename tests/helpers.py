@@ -58,7 +58,8 @@ def perturb(model: nn.Module, scale: float = 0.3, seed: int = 5, min_std: float 
     with torch.no_grad():
         for p in model.parameters():
             if p.dtype.is_floating_point and p.numel() > 1:
-                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * scale * p.float().std().clamp(min=min_std))
+                noise = torch.randn(p.shape, generator=g).to(p.device, p.dtype)  # (drawn on the CPU: the same anywhere)
+                p.add_(noise * scale * p.float().std().clamp(min=min_std))
 
 
 def sampled(
