@@ -36,7 +36,9 @@ from ..fingerprint import fingerprint as tensor_fingerprint
 from .call import Plan, RouterCall
 from .steps import Step
 
-KEEP_DONE = 16  # recomputed calls kept per router for a second recompute (retain_graph, nested checkpoints)
+# recomputed calls kept per router for a second recompute (retain_graph, nested checkpoints), those whose checkpoints
+# were freed let go first: a second backward over more checkpointed forwards of one context is refused
+KEEP_DONE = 256
 
 
 def will_be_recomputed(step: Step) -> bool:
@@ -81,6 +83,7 @@ class RecomputeQueue:
         self.router = router
         self.items: list[Pending] = []
         self.done: list[Pending] = []
+        self.let_go = 0  # recomputed calls dropped from `done` to keep KEEP_DONE while their checkpoints were alive
 
     @property
     def empty(self) -> bool:
@@ -123,7 +126,7 @@ class RecomputeQueue:
             if not hits:
                 continue
             if len(hits) > 1 and not _equal_plans([pool[k].plan for k in hits]):
-                raise ReplayError(
+                raise self._refused(
                     f"router {self.router!r} is recomputed in the backward and {FINGERPRINT} sampled elements of its "
                     f"input match those of {len(hits)} waiting replayed calls with different routes (inputs that "
                     "differ in a few elements only may sample alike): cannot tell which forward it re-runs; run each "
@@ -132,7 +135,7 @@ class RecomputeQueue:
             k = hits[0] if first else hits[-1]  # (the oldest waiting: a checkpoint re-runs its calls in forward order)
             item = pool[k]
             if is_reentrant_node(checkpoint) and not owned:
-                raise ReplayError(
+                raise self._refused(
                     f"router {self.router!r} is recomputed in the backward of a checkpoint whose forward replayed "
                     "nothing (a forward run outside `with replay_routes(...)`, backwarded inside it?): its input "
                     "matches a replayed call's, whose routes it would take; run each forward's backward inside the "
@@ -140,13 +143,27 @@ class RecomputeQueue:
                 )
             item.checkpoints = (*item.checkpoints, *checkpoint_chain())  # (nested checkpoints run in its recompute)
             if first:
-                self.done = [*self.done[-(KEEP_DONE - 1) :], pool.pop(k)]
+                done = [p for p in self.done if not p.abandoned]
+                if len(done) >= KEEP_DONE:
+                    self.let_go += len(done) - KEEP_DONE + 1
+                    done = done[len(done) - KEEP_DONE + 1 :]
+                self.done = [*done, pool.pop(k)]
             return item
-        raise ReplayError(
+        raise self._refused(
             f"router {self.router!r} is recomputed in the backward but its input matches none of the "
             f"{len(self.items)} replayed calls waiting for their recompute: cannot tell which forward it re-runs "
             "(the model or its inputs changed since the forward, or a forward run outside the replay?)"
         )
+
+    def _refused(self, message: str) -> ReplayError:
+        """The error of a recompute `take` cannot place, naming the recomputed calls let go (`KEEP_DONE`) if any."""
+        if self.let_go:
+            message += (
+                f"; {self.let_go} recomputed calls of this router were let go while their checkpoints were alive, to "
+                f"keep {KEEP_DONE} for a second backward: a second backward (retain_graph=True) over more "
+                "checkpointed forwards of one context than that is not supported"
+            )
+        return ReplayError(message)
 
 
 def _equal_plans(plans: list[Plan]) -> bool:

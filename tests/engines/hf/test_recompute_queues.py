@@ -8,6 +8,7 @@ import torch
 from helpers import left_padded, perturb, recorded, tiny_qwen3_moe
 
 from moe_replay import ReplayError, replay_routes
+from moe_replay.engines.hf import recompute
 from moe_replay.engines.hf.layout import model_layout
 
 
@@ -203,3 +204,47 @@ def all_grads_of_replay(model, ids, mask, routes) -> dict[str, torch.Tensor]:  #
     with replay_routes(model, routes):
         model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
     return all_grads(model)
+
+
+def grads_of_forwards_backwarded_twice(model, ids, mask, routes, n: int, reentrant: bool | None):  # noqa: ANN001
+    """The gradients of `n` replayed forwards, each with a different mask (positions left out route live), summed and
+    backwarded twice (retain_graph): with transformers' gradient checkpointing of the given kind, or none."""
+    if reentrant is None:
+        model.gradient_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.zero_grad(set_to_none=True)
+    edited = type(routes)(routes.indices.clone(), routes.mask.clone(), routes.layers)
+    with replay_routes(model, edited):
+        losses = []
+        for k in range(n):
+            left_out = torch.tensor([(k >> b) & 1 for b in range(mask.numel())], dtype=torch.bool).view(mask.shape)
+            edited.mask.copy_(routes.mask & ~left_out)
+            losses.append(model(ids, attention_mask=mask, labels=ids, use_cache=False).loss)
+        total = sum(losses)
+        total.backward(retain_graph=True)
+        total.backward()
+    return all_grads(model)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_second_backward_over_more_checkpointed_forwards_than_the_old_limit_recomputes_each_one(reentrant):
+    """20 checkpointed forwards of one replay, each with its own routes, backwarded twice: every recompute of the
+    second backward takes its own forward's routes again (16 recomputed calls were kept per router before: the
+    second backward was refused, naming a wrong cause)."""
+    model, ids, mask, routes = checkpointed(reentrant)
+    want = grads_of_forwards_backwarded_twice(model, ids, mask, routes, 20, None)
+    got = grads_of_forwards_backwarded_twice(model, ids, mask, routes, 20, reentrant)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_second_backward_over_more_checkpointed_forwards_than_are_kept_is_refused_saying_so(monkeypatch, reentrant):
+    """Past `KEEP_DONE` recomputed calls per router, the second backward cannot place the calls let go: refused, with
+    that named as the cause."""
+    monkeypatch.setattr(recompute, "KEEP_DONE", 4)
+    model, ids, mask, routes = checkpointed(reentrant)
+    with pytest.raises(ReplayError, match="recomputed calls of this router were let go while their checkpoints"):
+        grads_of_forwards_backwarded_twice(model, ids, mask, routes, 6, reentrant)
