@@ -20,7 +20,6 @@ the same model.
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import statistics
 import time
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from run import REALISTIC, TINY, build, generate_fn, sync
+from run import REALISTIC, TINY, build, generate_fn, sync, write_rows
 
 from moe_replay import record_routes, replay_routes
 
@@ -165,10 +164,7 @@ def main() -> int:
             rows.append(row)
             print(" | ".join(str(v) for v in row.values()), flush=True)
     out = args.csv or Path(__file__).with_name("results_host_cost_quick.csv" if args.quick else "results_host_cost.csv")
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out, rows)
     print(f"targets met: {sum(met)}/{len(met)}")
     return 0
 

@@ -172,10 +172,9 @@ def main() -> int:
         with out.open() as f:
             done = {r["work"] for r in rows}
             rows = [r for r in csv.DictReader(f) if r["work"] not in done] + rows
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    from run import write_rows
+
+    write_rows(out, rows)
     print(f"wrote {out}")
     return 0
 

@@ -25,7 +25,6 @@ benchmarks/results_host_pages.csv (or --csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
@@ -175,10 +174,9 @@ def main() -> int:
         lines = child_stdout(cmd, env={**os.environ, **HUGE}).strip().splitlines()
         print("\n".join(lines[:-1]))
         rows += json.loads(lines[-1])
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    from run import write_rows
+
+    write_rows(args.csv, rows)
     print(f"wrote {args.csv}")
     return 0
 

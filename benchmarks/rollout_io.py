@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import csv
 import pickle
 import statistics
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from run import child_stdout
+from run import child_stdout, write_rows
 
 from moe_replay import LayerInfo, Routes
 from moe_replay.integrations.sglang import routes_from_sglang
@@ -150,10 +149,7 @@ def main() -> None:
                 grew <= bound,
             )
     out = Path(__file__).with_name("results_rollout_io_quick.csv" if opts.quick else "results_rollout_io.csv")
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out, rows)
     met = [r for r in rows if r["met"]]
     print(f"wrote {out}\ntargets met: {sum(r['met'] == 'yes' for r in met)}/{len(met)}")
 

@@ -75,6 +75,14 @@ def child_stdout(cmd: list[str], env: dict[str, str] | None = None) -> str:
     return done.stdout
 
 
+def write_rows(path: Path, rows: list[dict], fieldnames: list[str] | None = None) -> None:
+    """Write `rows` as CSV to `path`, a header first (the first row's keys, in order, unless `fieldnames` is given)."""
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames or list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def generate_fn(model: torch.nn.Module, batch: int, new: int, device: str, record: bool) -> Callable[[], object]:
     ids = torch.randint(1, 1024, (batch, 32), generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -259,10 +267,7 @@ def main() -> int:
     if args.csv is None:  # a quick run never overwrites the committed full results
         args.csv = Path("benchmarks/results_quick.csv" if args.quick else "benchmarks/results.csv")
     args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(args.csv, rows)
     print()
     print("| metric | ours | baseline | unit | ratio | target | met? |\n|---|---|---|---|---|---|---|")
     for r in rows:

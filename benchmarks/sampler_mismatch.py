@@ -9,11 +9,11 @@ answer tokens, for bf16, fp16 and fp8-rounded samplers. The fp8 samplers simulat
 from __future__ import annotations
 
 import argparse
-import csv
 import tempfile
 from pathlib import Path
 
 import torch
+from run import write_rows
 
 from moe_replay import expert_change, teacher_forced_routes
 from moe_replay.rl.policy import build_policy, warm_start
@@ -62,10 +62,7 @@ def main() -> None:
         rows.append(row)
         print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     out = Path(__file__).with_name("results_sampler.csv")
-    with out.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out, rows)
     print(f"wrote {out}")
 
 

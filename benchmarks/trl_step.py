@@ -9,7 +9,6 @@ row (None against None) for the timing noise. Writes benchmarks/results_trl.csv 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import tempfile
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from run import REALISTIC  # the benchmark's realistic model (benchmarks/run.py, beside this script)
+from run import REALISTIC, write_rows  # the benchmark's realistic model (benchmarks/run.py, beside this script)
 from transformers import TrainerCallback
 from trl import GRPOConfig
 
@@ -105,10 +104,7 @@ def main() -> None:
         row["ratio"] = row["ours"] / row["baseline"]
         print(f"{row['metric']}: {row['ours']:.3f} vs {row['baseline']:.3f} s (ratio {row['ratio']:.3f})")
     path = opts.csv or Path(__file__).with_name("results_trl_quick.csv" if opts.quick else "results_trl.csv")
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["metric", "ours", "baseline", "ratio", "target"])
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(path, rows, ["metric", "ours", "baseline", "ratio", "target"])
 
 
 if __name__ == "__main__":
