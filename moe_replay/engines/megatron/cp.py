@@ -11,6 +11,7 @@ Shape legend: B sequences, T positions, L layers, K experts per token.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 
 import torch
 
@@ -24,14 +25,26 @@ def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
         >>> cp_positions(8, cp_size=2, cp_rank=0).tolist(), cp_positions(8, cp_size=2, cp_rank=1).tolist()
         ([0, 1, 6, 7], [2, 3, 4, 5])
     """
+    check_cp(cp_size, cp_rank)
     chunks = 2 * cp_size
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
     if seq_len % chunks:
         raise ValueError(f"sequence length {seq_len} is not a multiple of 2 x cp_size = {chunks}")
     size = seq_len // chunks
     first, second = cp_rank * size, (chunks - 1 - cp_rank) * size
     return torch.cat([torch.arange(first, first + size), torch.arange(second, second + size)])
+
+
+def check_cp(cp_size: int, cp_rank: int | None = None) -> None:
+    """Raise ValueError unless `cp_size` is a whole number >= 1 and `cp_rank` (if given) one in [0, cp_size).
+
+    Example:
+        >>> check_cp(2, 1)
+    """
+    whole = [isinstance(v, Integral) and not isinstance(v, bool) for v in (cp_size, 0 if cp_rank is None else cp_rank)]
+    if not whole[0] or cp_size < 1:
+        raise ValueError(f"cp_size must be a whole number >= 1, got {cp_size!r}")
+    if cp_rank is not None and (not whole[1] or not 0 <= cp_rank < cp_size):
+        raise ValueError(f"cp_rank={cp_rank!r} must be in [0, cp_size={cp_size}), a whole number")
 
 
 def padded_len(seq_len: int, cp_size: int) -> int:
@@ -41,6 +54,7 @@ def padded_len(seq_len: int, cp_size: int) -> int:
         >>> padded_len(10, 2)
         12
     """
+    check_cp(cp_size)
     return -(-seq_len // (2 * cp_size)) * 2 * cp_size
 
 
@@ -51,6 +65,9 @@ def routes_to_cp(routes: Routes, cp_size: int, cp_rank: int) -> Routes:
     Example:
         >>> part = routes_to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
     """
+    if not isinstance(routes, Routes):
+        raise ValueError(f"routes_to_cp needs a Routes, got {type(routes).__name__}")
+    check_cp(cp_size, cp_rank)
     full = routes.pad_to(padded_len(routes.seq_len, cp_size))
     idx = cp_positions(full.seq_len, cp_size, cp_rank).to(full.device)
     return Routes._trusted(full.indices.index_select(1, idx), full.mask.index_select(1, idx), full.layers)
@@ -69,6 +86,8 @@ def routes_from_cp(parts: Sequence[Routes], seq_len: int | None = None) -> Route
         raise ValueError("routes_from_cp needs one part per CP rank")
     cp_size, first = len(parts), parts[0]
     for r, p in enumerate(parts):
+        if not isinstance(p, Routes):
+            raise ValueError(f"CP rank {r}'s part is a {type(p).__name__}, not a Routes")
         if p.layers != first.layers or p.batch_size != first.batch_size or p.seq_len != first.seq_len:
             raise ValueError(
                 f"CP rank {r}'s part has B={p.batch_size}, T={p.seq_len} over {len(p.layers)} layers but rank 0's "
@@ -82,6 +101,8 @@ def routes_from_cp(parts: Sequence[Routes], seq_len: int | None = None) -> Route
         idx = cp_positions(T, cp_size, r).to(first.device)
         indices[:, idx], mask[:, idx] = p.indices, p.mask
     if seq_len is not None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, Integral) or seq_len < 0:
+            raise ValueError(f"seq_len must be a whole number >= 0, got {seq_len!r}")
         if seq_len > T or mask[:, seq_len:].any():
             raise ValueError(f"cannot cut routes of T={T} to seq_len={seq_len}: recorded positions lie beyond it")
         indices, mask = indices[:, :seq_len], mask[:, :seq_len]

@@ -8,10 +8,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 
 import torch
 
-from ...routes import LayerInfo, Routes, index_dtype
+from ...routes import LayerInfo, Routes
 
 
 def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequence[LayerInfo]) -> Routes:
@@ -23,17 +24,24 @@ def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequen
         >>> routes.indices[1, 0, 0].tolist()  # sequence 1, position 0
         [2, 3]
     """
+    rows, layers = list(rows), list(layers)
     if len(rows) != len(layers):
         raise ValueError(f"got {len(rows)} row tensors for {len(layers)} layers")
+    for layer, r in zip(layers, rows, strict=True):
+        if not isinstance(r, torch.Tensor) or r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool:
+            got = r.dtype if isinstance(r, torch.Tensor) else type(r).__name__
+            raise ValueError(f"layer {layer.name!r}: rows must be an integer tensor [S*B, K], got {got}")
     shapes = {tuple(r.shape) for r in rows}
-    if len(shapes) != 1:
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise ValueError(f"all layers must have the same [S*B, K] rows, got shapes {sorted(shapes)}")
     n, k = next(iter(shapes))
-    if batch_size < 1 or n % batch_size:
-        raise ValueError(f"{n} rows do not split into batch_size={batch_size} sequences")
-    dtype = index_dtype(max(layer.num_experts for layer in layers))
-    per_layer = [r.reshape(n // batch_size, batch_size, k).transpose(0, 1) for r in rows]  # [B, S, K] each
-    indices = torch.stack(per_layer, dim=2).to(dtype)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1 or n % batch_size:
+        raise ValueError(f"{n} rows do not split into batch_size={batch_size!r} sequences")
+    # [B, S, K] per layer, stacked in the rows' own dtype (torch reads its wider unsigned dtypes for few ops:
+    # widened): `Routes` range-checks the ids as given before it narrows them to its index dtype
+    wide = [r.long() if r.dtype in (torch.uint16, torch.uint32, torch.uint64) else r for r in rows]
+    per_layer = [r.reshape(n // batch_size, batch_size, k).transpose(0, 1) for r in wide]
+    indices = torch.stack(per_layer, dim=2)
     mask = torch.ones(indices.shape[:2], dtype=torch.bool, device=indices.device)
     return Routes(indices, mask, layers)
 
