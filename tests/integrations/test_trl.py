@@ -156,6 +156,43 @@ def test_peft_reference_routes_live(tmp_path):
     assert differ > 0  # the policy routes some tokens elsewhere than the reference: replaying it would show
 
 
+@pytest.mark.parametrize("target", ["gate", "mlp"])
+def test_routers_trained_in_full_beside_lora_replay(tmp_path, target):
+    """PEFT `modules_to_save` (the routers, or the MoE blocks) beside LoRA, beta != 0: every loss forward uses the
+    replayed experts on the trained copies, the adapter-disabled reference routes live on the frozen originals, and
+    the trained copies' routers learn while the originals stay as they were."""
+    from peft import LoraConfig
+
+    peft = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, modules_to_save=[target])
+    trainer = PeftRef(
+        model=tiny_policy(),
+        reward_funcs=reward,
+        args=config(tmp_path, beta=0.1, max_steps=3, learning_rate=0.1),
+        train_dataset=prompts(),
+        processing_class=tiny_tokenizer(),
+        routing_replay="rollout",
+        peft_config=peft,
+    )
+    before = params(trainer)
+    trainer.train()
+    assert len(trainer.used) == 3
+    for replayed, used in trainer.used:
+        m = replayed.mask
+        assert m.any() and torch.equal(
+            used.indices.long().sort(-1).values[m], replayed.indices.long().sort(-1).values[m]
+        )
+    for gen in trainer.generated:
+        m = gen["completion_mask"]
+        assert torch.equal(gen["ref_per_token_logps"] * m, gen["live_ref"] * m)
+    after = params(trainer)
+    routers = [k for k in before if ".gate." in k and k.endswith(".weight")]  # (either target: ...mlp.gate...)
+    copies = [k for k in routers if "modules_to_save" in k]
+    originals = [k for k in routers if "original_module" in k]
+    assert copies and originals
+    assert all(not torch.equal(before[k], after[k]) for k in copies)
+    assert all(torch.equal(before[k], after[k]) for k in originals)
+
+
 class Shifted(Spy):
     """Routes recorded under generate, moved one position to the right (a classic off-by-one)."""
 

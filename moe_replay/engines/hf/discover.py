@@ -15,6 +15,7 @@ from types import MappingProxyType
 from torch import nn
 
 from ...errors import UnsupportedModelError
+from .adapters import copy_of, is_saved_wrapper, saved_copies
 
 # Router classes that cannot be replayed, with the reason. Everything else that registers router outputs is handled
 # by the generic top-k interception and tested family by family.
@@ -54,6 +55,18 @@ def _router_recorders(modules: Iterable[nn.Module]) -> list[tuple[type, int, str
     return found
 
 
+def _caller(name: str, modules: Mapping[str, nn.Module], model: nn.Module) -> nn.Module:
+    """The module whose forward calls the router `name`: its parent, or above a PEFT wrapper of the router itself
+    (the wrapper and its `modules_to_save` dict only pass the call on)."""
+    parent = name.rpartition(".")[0]
+    while parent and (
+        is_saved_wrapper(modules[parent])
+        or (parent.endswith(".modules_to_save") and is_saved_wrapper(modules[parent.rpartition(".")[0]]))
+    ):
+        parent = parent.rpartition(".")[0]
+    return modules[parent] if parent else model
+
+
 def find_routers(model: nn.Module, modules: Mapping[str, nn.Module] | None = None) -> list[RouterSite]:
     """List the MoE routers of `model` in module order, or raise UnsupportedModelError naming the classes involved.
     `modules` is `dict(model.named_modules())` if the caller has it already (one walk of the model per context).
@@ -70,17 +83,20 @@ def find_routers(model: nn.Module, modules: Mapping[str, nn.Module] | None = Non
             "of its pretrained-model classes): it is not a transformers MoE model moe-replay recognises"
         )
     sites: list[RouterSite] = []
+    wrappers = saved_copies(modules)  # PEFT's modules_to_save: only the copy that runs is a router
     for name, module in modules.items():
         for cls, index, layer_name in recorders:
             if not isinstance(module, cls) or (layer_name is not None and not name.endswith(layer_name)):
                 continue
+            copy = copy_of(name, wrappers) if wrappers else None
+            if copy is not None and not copy[1]:
+                break  # (a copy that does not run now)
             if type(module).__name__ in UNSUPPORTED:
                 raise UnsupportedModelError(
                     f"{type(model).__name__}: router {name!r} ({type(module).__name__}) is not supported: "
                     f"{UNSUPPORTED[type(module).__name__]}"
                 )
-            parent = modules[name.rpartition(".")[0]] if "." in name else model
-            sites.append(RouterSite(name, module, parent, index))
+            sites.append(RouterSite(name if copy is None else copy[0], module, _caller(name, modules, model), index))
             break
     if not sites:
         classes = ", ".join(sorted({cls.__name__ for cls, _, _ in recorders}))

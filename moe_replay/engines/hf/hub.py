@@ -24,6 +24,7 @@ from functools import partial
 from torch import nn
 
 from ...errors import ForeignThreadError, NestedContextError, ReplayError
+from .adapters import refuse_idle
 from .call import Recorder, Replayer, RouterCall
 from .discover import RouterSite
 from .facts import RouterFacts, Unchanged, facts_for, runs_class_methods, signature_cache, stale, watched
@@ -221,6 +222,8 @@ class RouterHub:
             if not self.router_only[i]:  # a router class known to select inside itself needs no block wrapper
                 patch(site.scope, "forward", lambda inner, i=i: router_wrapper(self, i, inner, None))
             patch(site.router, "forward", lambda inner, i=i, s=site: router_wrapper(self, i, inner, s.logits_index))
+        for layer, router in self.layout.idle:  # PEFT copies that did not run at entry must not run inside
+            patch(router, "forward", partial(refuse_idle, layer))
         self._installed = wrapped
 
     # ---- one router call -----------------------------------------------------------------------------------

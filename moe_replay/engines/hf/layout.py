@@ -16,6 +16,7 @@ from operator import attrgetter, eq
 
 from torch import nn
 
+from .adapters import idle_copies, running_copy, saved_copies
 from .discover import RouterSite, find_routers
 
 ATTR = "_moe_replay_layout"
@@ -32,6 +33,9 @@ class Layout:
     sites: tuple[RouterSite, ...]
     tracked: tuple[nn.Module, ...]
     stamp: Stamp
+    # each PEFT modules_to_save wrapper with the copy it ran at the walk (its routers are that copy's)
+    copies: tuple[tuple[nn.Module, nn.Module], ...] = ()
+    idle: tuple[tuple[str, nn.Module], ...] = ()  # the routers of the copies that did not run, by layer name
     # kept with the layout while it holds: the model's hub ("hub") and match_layers' results (per routes' layers)
     kept: dict = field(default_factory=dict, compare=False)
 
@@ -49,12 +53,16 @@ def model_layout(model: nn.Module) -> Layout:
         # would find the same modules under the same names. Compared in one C loop, inline: this runs per context
         modules, children = kept.stamp
         if modules and modules[0] is model and all(map(eq, map(_CHILDREN, modules), children)):
-            return kept
+            if all(running_copy(w) is c for w, c in kept.copies):  # (an adapter switched or disabled: walk again)
+                return kept
     modules = dict(model.named_modules())
     sites = tuple(find_routers(model, modules))
     tracked = _tracked(model, sites, modules)
     parents = tuple(m for m in modules.values() if m._modules)  # (the model first: it holds the routers)
-    layout = Layout(sites, (model, *(m for _, m in tracked)), (parents, tuple(dict(m._modules) for m in parents)))
+    copies = tuple((w, running_copy(w)) for w in saved_copies(modules).values())
+    idle = idle_copies(modules, tuple({type(s.router) for s in sites})) if copies else ()
+    stamp = (parents, tuple(dict(m._modules) for m in parents))
+    layout = Layout(sites, (model, *(m for _, m in tracked)), stamp, copies, idle)
     model.__dict__[ATTR] = layout
     return layout
 
