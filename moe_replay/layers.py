@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from .errors import ReplayError
 from .routes import LayerInfo
+from .routes_rows import decoder_index
 
 # Path segments that wrappers insert without changing the model: torch's checkpoint_wrapper, FSDP1, torch.compile.
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
@@ -74,6 +75,7 @@ def match_layers(
             mapping[b] = hits[0]
     if not named and len(held_names) == len(names) and all("#" not in h for h in held_names):
         columns = {name: i for i, name in enumerate(names)}  # another engine's names: by layer order
+        _check_numbers(columns, held, owner)
         _check_shapes(columns, held, shapes)
         return columns
     missing = sorted(set(names) - set(mapping.values()))
@@ -86,6 +88,19 @@ def match_layers(
     columns = {mapping[base[h]] + h[len(base[h]) :]: i for i, h in enumerate(held_names)}
     _check_shapes(columns, held, shapes)
     return columns
+
+
+def _check_numbers(columns: Mapping[str, int], held: Sequence[LayerInfo], owner: str) -> None:
+    """Layers matched by order whose names both carry a decoder-layer number (`layers.<i>.`) must carry the same one:
+    routes of decoder layers 0 and 1 are not those of a model whose MoE layers are 0 and 2."""
+    for name, i in columns.items():
+        ours, theirs = decoder_index(name), decoder_index(held[i].name)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ReplayError(
+                f"routes layer {held[i].name!r} (decoder layer {theirs}) would replay on {owner}'s router {name!r} "
+                f"(decoder layer {ours}) by layer order, but their layer numbers differ: the routes hold layers "
+                f"{[layer.name for layer in held]} and the model's MoE layers are {list(columns)}"
+            )
 
 
 def _check_shapes(

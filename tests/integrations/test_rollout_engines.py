@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers import left_padded, tiny_qwen3_moe
+from helpers import extend_mask, left_padded, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, Routes, record_routes, replay_routes
 from moe_replay.integrations.sglang import routes_from_sglang
@@ -48,7 +48,8 @@ def generation():
         rows.append(
             SimpleNamespace(pad=pad, prompt=prompt, completion=completion, moe=routes.indices[i, pad : pad + n])
         )
-    return SimpleNamespace(model=model, routes=routes, rows=rows, sequences=out.sequences)
+    attention = extend_mask(mask, out.sequences.shape[1])  # (not `sequences != 0`: token 0 may be sampled)
+    return SimpleNamespace(model=model, routes=routes, rows=rows, sequences=out.sequences, attention=attention)
 
 
 def decoder_columns(moe: torch.Tensor, dtype) -> np.ndarray:  # noqa: ANN001
@@ -95,7 +96,7 @@ def sglang_responses(gen):  # noqa: ANN001, ANN201
 
 def imported_equal(gen, routes: Routes) -> None:  # noqa: ANN001
     assert routes.equal(gen.routes), "imported routes differ from the recording"
-    mask = (gen.sequences != 0).long()
+    mask = gen.attention
     with torch.no_grad():
         with replay_routes(gen.model, routes):
             a = gen.model(gen.sequences, attention_mask=mask).logits

@@ -95,6 +95,8 @@ class RouteReplayer:
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
         self._columns: dict[str, int] = {}
         self._span: tuple[Step, Span | None] | None = None  # the current forward's step and span (`plan`)
+        # recorded positions that a forward's attention mask marks as padding, summed on the device (`_count_padding`)
+        self._at_padding: torch.Tensor | None = None
 
     def __enter__(self) -> RouteReplayer:
         if self._hub is not None:
@@ -106,7 +108,7 @@ class RouteReplayer:
             hub.detach(self)
             raise
         self._covered.clear()
-        self._span = None
+        self._span = self._at_padding = None
         self._hub = hub
         return self
 
@@ -124,6 +126,7 @@ class RouteReplayer:
                 "backward re-runs the routers, so call loss.backward() inside `with replay_routes(...)`"
             )
         self._check_consumed()
+        self._check_padding()
 
     def plan(self, name: str, step: Step) -> Plan | None:
         r = self.routes
@@ -133,6 +136,8 @@ class RouteReplayer:
         span = self._span
         if span is None or span[0] is not step:  # the first router call of this forward: check and slice once
             span = self._span = (step, self._step_span(step))
+            if span[1] is not None and step.has_mask:
+                self._count_padding(span[1].mask, step)
         found = span[1]
         if found is None:
             return None
@@ -243,6 +248,24 @@ class RouteReplayer:
         if not self.track_live:
             raise ValueError("live_moved() needs replay_routes(model, routes, track_live=True)")
         return self._moved.clone(), self._compared.clone()
+
+    def _count_padding(self, mask: torch.Tensor, step: Step) -> None:
+        """Add the positions of this forward that the routes recorded (`mask` [B, t]) and its attention mask marks as
+        padding: routes recorded on a batch padded another way (left against right) land there, and the batch's real
+        tokens get other positions' experts. Summed on the device (no host sync per forward), checked at exit."""
+        found = torch.gt(mask, step.real.to(mask.device)).sum()
+        self._at_padding = found if self._at_padding is None else self._at_padding.add_(found)
+
+    def _check_padding(self) -> None:
+        n = 0 if self._at_padding is None else int(self._at_padding)
+        self._at_padding = None
+        if n:
+            raise ReplayError(
+                f"the routes are recorded at {n} positions that the forwards' attention masks mark as padding: routes "
+                "recorded on a batch padded another way (left-padded against right-padded, or imported without "
+                "`pad_left`) put the experts of other positions on its real tokens; replay them on the batch laid out "
+                "as they were recorded (or drop those positions first: routes.mask & attention_mask)"
+            )
 
     def _check_consumed(self) -> None:
         T, L = self.routes.seq_len, len(self.routes.layers)

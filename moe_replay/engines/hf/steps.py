@@ -40,17 +40,25 @@ class Step:
     synced: bool = False  # inside generate(synced_gpus=True)
     generating: bool = False  # inside generate
     _real: torch.Tensor | None = field(default=None, repr=False)
+    _masked: bool = field(default=False, repr=False)  # (once `real` is made: whether it came from a mask)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.length
 
     @property
+    def has_mask(self) -> bool:
+        """Whether the forward had its own attention mask (else every position is taken as real)."""
+        return self.attention is not None if self._real is None else self._masked
+
+    @property
     def real(self) -> torch.Tensor:
-        """bool [B, length]: False at padding. Made on first use (a replayed forward never needs it; a recorder asks
-        during the forward), as a copy, so that a mask buffer the caller reuses cannot change it afterwards."""
+        """bool [B, length]: False at padding. Made on first use (a recorder asks during the forward, a replay at its
+        first router call, to find routes recorded at padding), as a copy, so that a mask buffer the caller reuses
+        cannot change it afterwards."""
         if self._real is None:
             mask = self.attention
+            self._masked = mask is not None
             if mask is not None:  # its columns are the stream's positions; a mask made for a cache of fixed size (a
                 # static cache's loop) runs past this step's end, one that covers a window only ends with it
                 end = self.start + self.length

@@ -12,6 +12,7 @@ import torch
 from megatron_utils import batch, global_name, megatron_cpu, perturb_routers, tiny_gpt
 
 PATTERN = [1, 1, 0, 1]  # MoE, MoE, dense, MoE: global MoE index != layer number on the second stage
+MOE_LAYERS = [i for i, moe in enumerate(PATTERN) if moe]  # their decoder-layer numbers
 PIPELINE = {
     "num_layers": len(PATTERN),
     "moe_layer_freq": PATTERN,
@@ -145,7 +146,7 @@ def run_counts(rank: int, vpp: int | None, counts: tuple[int, ...], out_dir: str
                 found["losses_own"] = run_schedule(chunks, data, forward_only=False)
             found["grads_own"] = grads(chunks)
             foreign = [  # the same routes named as a Hugging Face model names its routers: matched by layer order
-                Routes(w.indices, w.mask, [LayerInfo(f"model.layers.{i}.mlp.gate", 4, 2) for i in range(3)])
+                Routes(w.indices, w.mask, [LayerInfo(f"model.layers.{i}.mlp.gate", 4, 2) for i in MOE_LAYERS])
                 for w in whole
             ]
             with replay_routes(chunks, foreign):

@@ -36,7 +36,7 @@ def columns(sites: list[Site], names: list[str], experts: int = 4) -> dict[str, 
 
 
 MEGATRON = [f"decoder.layers.{g}.mlp.router" for g in (0, 1, 3)]
-HF = [f"model.layers.{i}.mlp.gate" for i in range(3)]
+HF = [f"model.layers.{g}.mlp.gate" for g in (0, 1, 3)]  # as transformers names the same model's routers
 LAST, FIRST = stage((3, 2)), stage((0, 0), (1, 1))
 
 
@@ -52,7 +52,7 @@ def test_whole_model_routes_give_a_stage_its_global_columns_by_name_or_by_order(
 def test_a_stage_replays_its_own_part():
     assert columns(LAST, ["decoder.layers.3.mlp.router"]) == {"decoder.layers.3.mlp.router": 0}
     assert columns(FIRST, MEGATRON[:2]) == {"decoder.layers.0.mlp.router": 0, "decoder.layers.1.mlp.router": 1}
-    assert columns(LAST, ["model.layers.2.mlp.gate"]) == {"decoder.layers.3.mlp.router": 0}  # by order
+    assert columns(LAST, ["model.layers.3.mlp.gate"]) == {"decoder.layers.3.mlp.router": 0}  # by order
 
 
 def test_another_stages_routes_or_a_wrong_layer_count_are_refused():
@@ -60,6 +60,8 @@ def test_another_stages_routes_or_a_wrong_layer_count_are_refused():
         columns(LAST, ["decoder.layers.1.mlp.router"])  # one layer, like the stage: by order would be silent
     with pytest.raises(ReplayError, match=r"routes hold 2 layers .* 1 of the model's 3 MoE layers .* \(3 layers\)"):
         columns(LAST, HF[:2])
+    with pytest.raises(ReplayError, match=r"'model.layers.2.mlp.gate' \(decoder layer 2\) would replay on .* 3\)"):
+        columns(LAST, ["model.layers.2.mlp.gate"])  # by order, but the layer numbers disagree
     with pytest.raises(ReplayError, match="E=8, K=2 but router 'decoder.layers.3.mlp.router' has E=4, K=2"):
         columns(LAST, MEGATRON, experts=8)
 
