@@ -1,12 +1,14 @@
 """RoutingReplayGRPOTrainer at the edges of generation: end tokens that generate and TRL disagree on, completions TRL
-masks as truncated, and a group-limited model family whose live picks are not compared (each found by review)."""
+masks as truncated, a group-limited model family whose live picks are not compared (each found by review), and rows
+reordered without their routes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from trl_utils import agreement, make, tiny_policy
+from trl_utils import Spy, agreement, make, tiny_policy
 
+from moe_replay.errors import ReplayError
 from moe_replay.integrations.trl.trainer import INDICES, MASK
 
 
@@ -89,3 +91,22 @@ def test_group_limited_routers_replay_and_say_why_the_routing_metrics_are_missin
         assert m.any() and torch.equal(
             used.indices.long().sort(-1).values[m], replayed.indices.long().sort(-1).values[m]
         )
+
+
+class Reordered(Spy):
+    """A subclass that reverses the rows of TRL's batch but leaves the routes' keys as they were."""
+
+    def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
+        out = super()._generate_and_score_completions(inputs)
+        routing = ("routing_indices", "routing_mask", "routing_tokens")
+        for key, value in out.items():
+            if torch.is_tensor(value) and value.dim() and value.shape[0] > 1 and key not in routing:
+                out[key] = value.flip(0)
+        return out
+
+
+def test_rows_reordered_without_their_routes_are_refused(tmp_path):
+    """Before, this trained on other rows' experts: visible only as routes_moved_since_rollout ~0.6 instead of 0."""
+    trainer = make(tmp_path, "rollout", cls=Reordered, max_steps=1)
+    with pytest.raises(ReplayError, match="recorded for other tokens than rows .* reordered or replaced"):
+        trainer.train()

@@ -12,6 +12,7 @@ Shape legend: B rows, T positions, L MoE layers, K experts per token.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -100,6 +101,32 @@ def routes_for_batch(
             f"generate's T={T} (prompts {gen_prompt})"
         )
     return Routes(indices, mask, routes.layers)
+
+
+def check_rows(batch: dict[str, Any], indices: str, mask: str, tokens: str) -> None:
+    """Raise `ReplayError` unless each row of TRL's `batch` holds, where its routes are recorded (`batch[mask]`
+    [B, P + C]), the tokens they were recorded for (`batch[tokens]`, set beside `batch[indices]` when the routes were
+    attached): rows reordered or replaced without their routes would train on other rows' experts.
+
+    Example:
+        >>> check_rows(inputs, "routing_indices", "routing_mask", "routing_tokens")  # doctest: +SKIP
+    """
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    held, recorded = batch.get(tokens), batch[mask]
+    if held is None or held.shape != ids.shape or recorded.shape != ids.shape:
+        raise ReplayError(
+            f"TRL's batch has input ids {tuple(ids.shape)} but routes {tuple(batch[indices].shape[:2])} recorded for "
+            f"tokens {None if held is None else tuple(held.shape)}: the routes keys ({indices!r}, {mask!r}, "
+            f"{tokens!r}) must move with their rows"
+        )
+    differ = (held != ids) & recorded.to(ids.device)
+    if bool(differ.any()):
+        rows = differ.any(1).nonzero().flatten().tolist()
+        raise ReplayError(
+            f"routes in TRL's batch were recorded for other tokens than rows {rows[:8]} hold (of {ids.shape[0]}): "
+            f"the rows were reordered or replaced without their routes ({indices!r}, {mask!r}, {tokens!r}), which "
+            "would train them on other rows' experts; move those keys with their rows"
+        )
 
 
 def padded(length: int, multiple: int | None) -> int:

@@ -2,10 +2,10 @@
 
 TRL methods overridden (TRL 1.16): `_generate_single_turn` (record while generating), `_generate_and_score_completions`
 (attach the routes to the batch), `_get_per_token_logps_and_entropies` (replay or record the old-log-prob pass),
-`compute_loss` and `training_step` (replay the loss forward and keep the replay open through the backward). The
-routes travel inside TRL's batch dict as two tensors (`routing_indices` [B, P + C, L, K], `routing_mask` [B, P + C]),
-so TRL's own shuffling, splitting into `steps_per_generation` buffers and gradient accumulation move them with their
-rows.
+`compute_loss` and `training_step` (replay the loss forward and keep the replay open through the backward). The routes
+travel inside TRL's batch dict as tensors (`routing_indices` [B, P + C, L, K], `routing_mask` [B, P + C] and the tokens
+they were recorded for, `routing_tokens` [B, P + C], checked at each loss forward), so TRL's own shuffling, splitting
+into `steps_per_generation` buffers and gradient accumulation move them with their rows.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from trl import GRPOTrainer
 from ...engines import record_routes, replay_routes
 from ...errors import ReplayError
 from ...routes import LayerInfo, Routes
-from .layout import routes_for_batch
+from .layout import check_rows, routes_for_batch
 
 MODES = (None, "rollout", "old_logprob")
 INDICES, MASK = "routing_indices", "routing_mask"  # the batch keys that carry the routes
+TOKENS = "routing_tokens"  # and the tokens they were recorded for (`check_rows`)
 
 
 class RoutingReplayGRPOTrainer(GRPOTrainer):
@@ -107,6 +108,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             self._rr_generated, self._rr_rows, self._rr_phase = None, None, None
         attended = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)  # TRL's loss forwards' mask
         out[INDICES], out[MASK] = rows.indices, attended_only(rows, attended).mask
+        out[TOKENS] = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
         return out
 
     def _rollout_rows(self, input_ids: torch.Tensor, logits_to_keep: int) -> Routes:
@@ -189,6 +191,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
                 f"routing_replay={self.routing_replay!r} found no routes in this batch (no {INDICES!r} key): batches "
                 "must come from this trainer's _prepare_inputs"
             )
+        check_rows(inputs, INDICES, MASK, TOKENS)
         routes = Routes(inputs[INDICES], inputs[MASK], self._rr_layers)
         ctx = replay_routes(self._core(model), routes, track_live=True)
         if self._rr_stack is None:  # evaluation (prediction_step): no backward follows
