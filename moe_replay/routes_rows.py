@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Sequence
+from numbers import Integral, Real
 from typing import Any
 
 import numpy as np
@@ -120,11 +121,14 @@ def pad_offsets(pad_left: Sequence[int] | torch.Tensor | None, rows: int) -> lis
         >>> pad_offsets(torch.tensor([2, 0]), 2), pad_offsets(None, 3)
         ([2, 0], [0, 0, 0])
     """
-    if torch.is_tensor(pad_left):
+    if torch.is_tensor(pad_left) or isinstance(pad_left, np.ndarray):
         pad_left = pad_left.tolist()
+    if pad_left is not None:
+        pad_left = list(pad_left)
+        whole = [isinstance(p, Real) and not isinstance(p, bool) and p == p and float(p).is_integer() for p in pad_left]
+        if not all(whole):
+            raise ValueError(f"pad_left must hold whole numbers of positions, got {pad_left}")
     pads = [0] * rows if pad_left is None else [int(p) for p in pad_left]
-    if pad_left is not None and any(p != q for p, q in zip(pads, pad_left, strict=False)):
-        raise ValueError(f"pad_left must hold whole numbers of positions, got {list(pad_left)}")
     if len(pads) != rows:
         raise ValueError(f"pad_left has {len(pads)} offsets for {rows} rows")
     return pads
@@ -168,8 +172,12 @@ def routes_from_rows(
         raise ValueError(f"{len(cols)} columns given for {len(layers)} layers")
     if any(not 0 <= c < C for c in cols):
         raise ValueError(f"columns {cols} name columns outside the rows' {C} layer columns (0..{C - 1})")
+    if any(isinstance(c, bool) or not isinstance(c, Integral) for c in cols):
+        raise ValueError(f"columns must be whole numbers (engine column indices), got {cols}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, Integral) or seq_len < 0):
+        raise ValueError(f"seq_len must be a whole number >= 0, got {seq_len!r}")
     ends = [p + t.shape[0] for p, t in zip(pads, tensors, strict=True)]
-    T = max(ends, default=0) if seq_len is None else seq_len
+    T = max(ends, default=0) if seq_len is None else int(seq_len)
     if min(pads, default=0) < 0 or max(ends, default=0) > T:
         i = max(range(B), key=lambda j: ends[j]) if max(ends, default=0) > T else min(range(B), key=lambda j: pads[j])
         raise ValueError(f"row {i} ({tensors[i].shape[0]} positions from offset {pads[i]}) does not fit T={T}")
