@@ -1,18 +1,23 @@
 """What the rollout-engine importers (vLLM, SGLang) share: the trainer model's MoE layers, the engine's column count,
-and the checks that name both sides.
+the checks that name both sides, and `Routes.from_rows` with its errors naming the engine's response.
 
 Shape legend: L MoE layers, C engine columns (one per decoder layer), K experts per token.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from ..routes import LayerInfo
+from ..routes import LayerInfo, Routes
+from ..routes_rows import engine_columns
+
+ROW = re.compile(r"^row (\d+)\b|\bsequence (\d+)\b")  # how `Routes.from_rows` names the row it refuses
 
 
 def layers_of(model: nn.Module | Sequence[LayerInfo]) -> tuple[LayerInfo, ...]:
@@ -59,49 +64,70 @@ def decoder_layers(model: nn.Module | Sequence[LayerInfo]) -> int | None:
     config = getattr(model, "config", None)
     for key in ("num_hidden_layers", "num_layers"):
         value = getattr(config, key, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
 
 
-def check_columns(engine: str, columns: int, layers: Sequence[LayerInfo], decoder: int | None) -> None:
-    """Raise unless an engine's column count is one per MoE layer or one per decoder layer of the model (`decoder`;
-    None: unknown, nothing to check).
+def check_columns(where: str, columns: int, layers: Sequence[LayerInfo], decoder: int | None) -> None:
+    """Raise unless a row's column count is one per MoE layer or one per decoder layer of the model (`decoder`;
+    None: unknown, nothing to check); `where` names the engine's response.
 
     Example:
-        >>> check_columns("SGLang", 3, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], decoder=3)
+        >>> check_columns("SGLang response 0", 3, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], decoder=3)
     """
     if decoder is None:  # unknown (a list of LayerInfo): the decoder-layer numbers in the names must fit
         return
     if columns not in (len(layers), decoder):
         raise ValueError(
-            f"{engine} returned routes for {columns} layers but the model has {len(layers)} MoE layers and "
+            f"{where}: returned routes for {columns} layers but the model has {len(layers)} MoE layers and "
             f"{decoder} decoder layers"
         )
 
 
-def check_row_length(engine: str, where: str, rows: int, prompt: int, completion: int) -> None:
+def check_row_length(where: str, rows: int, prompt: int, completion: int) -> None:
     """Raise unless an engine returned prompt + completion - 1 rows (the last sampled token is never an input).
 
     Example:
-        >>> check_row_length("vLLM", "output 0", rows=7, prompt=5, completion=3)
+        >>> check_row_length("vLLM output 0", rows=7, prompt=5, completion=3)
     """
     if rows != prompt + completion - 1:
         raise ValueError(
-            f"{engine} {where}: routes hold {rows} positions but its {prompt} prompt and {completion} completion "
-            f"tokens need prompt + completion - 1 = {prompt + completion - 1}"
+            f"{where}: routes hold {rows} positions but its {prompt} prompt and {completion} completion tokens "
+            f"need prompt + completion - 1 = {prompt + completion - 1}"
         )
 
 
-def count(value: Any, name: str, where: str) -> int:
-    """len() of a token list, or an int count, or a clear error.
+def rows_to_routes(
+    engine: str,
+    rows: Sequence[np.ndarray],
+    names: Sequence[str],
+    layers: Sequence[LayerInfo],
+    **kwargs: Any,
+) -> Routes:
+    """`Routes.from_rows(rows, layers, **kwargs)` of an engine's checked rows, each error naming the row's response
+    (`names[i]`, e.g. "vLLM output 2, completion 0, routed_experts"): the column counts are checked here first
+    (each must map the layers, and all agree), and a refusal of row i or sequence i is prefixed with `names[i]`.
 
     Example:
-        >>> count([5, 6, 7], "token_ids", "vLLM output 0"), count(4, "prompt_tokens", "SGLang response 1")
-        (3, 4)
+        >>> rows_to_routes("vLLM", [np.array([[[0, 1]]])], ["vLLM output 0"], [LayerInfo("l0", 4, 2)]).batch_size
+        1
     """
-    if isinstance(value, int):
-        return value
-    if value is None:
-        raise ValueError(f"{where} has no {name}: cannot check the length of its routes")
-    return len(value)
+    first: dict[int, str] = {}  # column count -> the first row's name with it
+    for row, name in zip(rows, names, strict=True):
+        if row.shape[0]:
+            first.setdefault(row.shape[1], name)
+    for columns, name in first.items():
+        try:
+            engine_columns(layers, columns)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+    if len(first) > 1:
+        (c0, n0), (c1, n1) = list(first.items())[:2]
+        raise ValueError(f"{n1}: routes hold {c1} layer columns, but those of {n0} hold {c0}")
+    try:
+        return Routes.from_rows(rows, layers, **kwargs)
+    except ValueError as e:
+        found = ROW.search(str(e))
+        i = None if found is None else int(found.group(1) or found.group(2))
+        raise ValueError(f"{names[i] if i is not None and i < len(names) else engine}: {e}") from e

@@ -23,8 +23,7 @@ Example:
 
 from __future__ import annotations
 
-import base64
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,8 @@ from torch import nn
 
 from ..routes import LayerInfo, Routes
 from ..routes_rows import pad_offsets
-from .rollout import check_columns, check_row_length, decoder_layers, layers_of
+from .payload import base64_bytes, mapping, shown, whole
+from .rollout import check_columns, check_row_length, decoder_layers, layers_of, rows_to_routes
 
 FLAG = "launch SGLang with --enable-return-routed-experts and send return_routed_experts=True with the request"
 
@@ -50,8 +50,9 @@ def routes_from_sglang(
     `sglext`), covering its prompt and completion tokens from offset `pad_left[i]` (default 0) of a [B, T] batch.
     The trainer `model` (or a list of `LayerInfo`) names the layers, E and K, and gives the payload's column count
     (`num_hidden_layers`; `num_layers` overrides it, else it is read off the payload's size). Raises ValueError,
-    naming both sides, for a payload whose size is not a multiple of columns x K x 4 bytes, a row whose length is
-    not prompt + completion - 1, L, K or E that do not match, bad ids, or responses without routes.
+    naming the response ("SGLang response 3"), its field and both sides, for a payload that is not base64 or whose
+    size is not a multiple of columns x K x 4 bytes, a row whose length is not prompt + completion - 1, null or
+    non-integer counts, L, K or E that do not match, bad ids, or responses without routes.
 
     Example:
         >>> routes = routes_from_sglang(responses, model, pad_left=[2, 0])  # doctest: +SKIP
@@ -59,57 +60,77 @@ def routes_from_sglang(
     layers = layers_of(model)
     if isinstance(responses, Mapping):  # one response (`Engine.generate` of one prompt), not a list
         responses = [responses]
+    if isinstance(responses, str | bytes) or not isinstance(responses, Iterable):
+        raise ValueError(f"SGLang responses must be a list of response dicts, got {shown(responses)}")
     K = layers[0].top_k
-    columns = num_layers or (None if isinstance(model, Sequence) else decoder_layers(model))
-    decoded = [_decode(resp, i, K, columns) for i, resp in enumerate(responses)]
-    for row, _ in decoded:
-        check_columns("SGLang", row.shape[1], layers, columns)
-    starts = [p + start for p, (_, start) in zip(pad_offsets(pad_left, len(decoded)), decoded, strict=True)]
-    return Routes.from_rows([row for row, _ in decoded], layers, pad_left=starts, seq_len=seq_len)
+    decoder = None if isinstance(model, Sequence) else decoder_layers(model)
+    columns = decoder if num_layers is None else whole(num_layers, "SGLang", "num_layers") or None
+    decoded = [_decode(resp, i, K, columns, len(layers)) for i, resp in enumerate(responses)]
+    for row, _, name in decoded:
+        check_columns(name, row.shape[1], layers, columns)
+    starts = [p + start for p, (_, start, _) in zip(pad_offsets(pad_left, len(decoded)), decoded, strict=True)]
+    rows, names = [row for row, _, _ in decoded], [name for _, _, name in decoded]
+    return rows_to_routes("SGLang", rows, names, layers, pad_left=starts, seq_len=seq_len)
 
 
-def _decode(resp: Mapping[str, Any], i: int, K: int, columns: int | None) -> tuple[np.ndarray, int]:
-    """Response `i`'s routes [prompt + completion - 1 - start, columns, K] int32, checked against its token counts,
-    and `start` (`routed_experts_start_len`: the routes cover positions start .. prompt + completion - 2)."""
-    meta = resp.get("meta_info") or {}
-    payload = meta.get("routed_experts")
+def _decode(resp: Any, i: int, K: int, columns: int | None, L: int) -> tuple[np.ndarray, int, str]:
+    """Response `i`'s routes [prompt + completion - 1 - start, columns, K] int32, checked against its token counts;
+    `start` (`routed_experts_start_len`: the routes cover positions start .. prompt + completion - 2); and what
+    names them ("SGLang response i, meta_info['routed_experts']")."""
+    where = f"SGLang response {i}"
+    if not isinstance(resp, Mapping):
+        raise ValueError(f"{where} is {shown(resp)}, not a response dict")
+    meta = mapping(resp.get("meta_info"), where, "meta_info")
+    payload, field = meta.get("routed_experts"), "meta_info['routed_experts']"
+    if payload is None and "sglext" in resp:  # an OpenAI-style response
+        payload, field = mapping(resp["sglext"], where, "sglext").get("routed_experts"), "sglext['routed_experts']"
     if payload is None:
-        payload = (resp.get("sglext") or {}).get("routed_experts")
-    if payload is None:
-        raise ValueError(f"SGLang response {i} has no meta_info['routed_experts']: {FLAG}")
-    counts = meta
+        raise ValueError(f"{where} has no {field}: {FLAG}")
+    counts, holder = meta, "meta_info"
     if "prompt_tokens" not in meta:  # an OpenAI-style response: its token counts are in `usage`
-        if len(resp.get("choices") or ()) > 1:
+        choices = resp.get("choices")
+        if choices is not None and not isinstance(choices, list | tuple):
+            raise ValueError(f"{where}: choices must be a list, got {shown(choices)}")
+        if choices is not None and len(choices) > 1:
             raise ValueError(
-                f"SGLang response {i} holds {len(resp['choices'])} choices: an OpenAI-style response counts their "
-                "completion tokens together in usage, so each one's routes cannot be placed; request n=1 per prompt, "
-                "or use the native API"
+                f"{where} holds {len(choices)} choices: an OpenAI-style response counts their completion tokens "
+                "together in usage, so each one's routes cannot be placed; request n=1 per prompt, or use the "
+                "native API"
             )
-        counts = resp.get("usage") or {}
-    try:
-        prompt, completion = int(counts["prompt_tokens"]), int(counts["completion_tokens"])
-    except KeyError as e:
-        raise ValueError(
-            f"SGLang response {i}: neither meta_info nor usage holds {e.args[0]!r}, needed to check its routes"
-        ) from e
-    raw = base64.b64decode(payload) if isinstance(payload, str | bytes) else None
-    if raw is None:
-        raise ValueError(f"SGLang response {i}: routed_experts must be a base64 string, got {type(payload).__name__}")
-    start = int(meta.get("routed_experts_start_len") or 0)
+        counts, holder = mapping(resp.get("usage"), where, "usage"), "usage"
+    for key in ("prompt_tokens", "completion_tokens"):
+        if key not in counts:
+            side = "neither meta_info nor usage" if holder == "usage" else "meta_info"
+            raise ValueError(f"{where}: {side} holds {key!r}, needed to check its routes")
+    prompt = whole(counts["prompt_tokens"], where, f"{holder}['prompt_tokens']")
+    completion = whole(counts["completion_tokens"], where, f"{holder}['completion_tokens']")
+    start = meta.get("routed_experts_start_len")
+    start = 0 if start is None else whole(start, where, "meta_info['routed_experts_start_len']")
+    if prompt + completion < 1:
+        raise ValueError(f"{where}: {holder} counts no tokens, so no positions its routes could cover")
     positions = prompt + completion - 1 - start
+    if positions < 0:
+        raise ValueError(
+            f"{where}: routed_experts_start_len={start} is past its prompt + completion - 1 = "
+            f"{prompt + completion - 1} positions"
+        )
+    raw = base64_bytes(payload, where, field, empty=positions == 0)
+    at = f"{where}, {field}"
+    if columns is None and not raw:  # no positions: nothing to read the column count off
+        return np.zeros((0, L, K), dtype="<i4"), start, at
     if columns is None:  # read the column count off the size
         per_row = positions * K * 4
-        columns = len(raw) // per_row if per_row and len(raw) % per_row == 0 else None
-        if columns is None:
+        if not per_row or len(raw) % per_row:
             raise ValueError(
-                f"SGLang response {i}: {len(raw)} bytes of routes are not {positions} positions x C columns x "
-                f"K={K} x 4 bytes for any C"
+                f"{at}: {len(raw)} bytes of routes are not {positions} positions x C columns x K={K} x 4 bytes "
+                "for any C"
             )
+        columns = len(raw) // per_row
     if len(raw) % (columns * K * 4):
         raise ValueError(
-            f"SGLang response {i}: {len(raw)} bytes of routes are not a multiple of L x K x 4 = {columns} x {K} x 4 "
-            f"(int32 ids, {columns} decoder layers, top-{K})"
+            f"{at}: {len(raw)} bytes of routes are not a multiple of L x K x 4 = {columns} x {K} x 4 (int32 ids, "
+            f"{columns} decoder layers, top-{K})"
         )
     array = np.frombuffer(raw, dtype="<i4").reshape(-1, columns, K)
-    check_row_length("SGLang", f"response {i}", array.shape[0] + start, prompt, completion)
-    return array, start
+    check_row_length(at, array.shape[0] + start, prompt, completion)
+    return array, start, at

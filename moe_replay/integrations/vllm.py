@@ -28,9 +28,7 @@ Example:
 
 from __future__ import annotations
 
-import base64
-import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,9 +36,11 @@ import torch
 from torch import nn
 
 from ..routes import LayerInfo, Routes
-from .rollout import check_columns, check_row_length, count, decoder_layers, layers_of
+from .payload import mapping, routes_array, shown, token_count, whole
+from .rollout import check_columns, check_row_length, decoder_layers, layers_of, rows_to_routes
 
 FLAG = "start vLLM with enable_return_routed_experts=True (LLM(...) argument, or --enable-return-routed-experts)"
+PLAIN = (str, bytes, bytearray, int, float, complex, list, tuple, np.ndarray, np.generic, torch.Tensor)
 
 
 def routes_from_vllm(
@@ -53,8 +53,10 @@ def routes_from_vllm(
     """One row per completion (requests in order, then completions by index) of vLLM's `RequestOutput`s, or of
     OpenAI-server response dicts; row i covers its prompt and completion tokens from offset `pad_left[i]` (default
     0) in a [B, T] batch. The trainer `model` (or a list of `LayerInfo`) names the layers, E and K; a decoder layer
-    without a router loses its column. Raises ValueError, naming both sides, for a row whose length is not
-    prompt + completion - 1, L, K or E that do not match, bad ids, or outputs without routes.
+    without a router loses its column. Raises ValueError, naming the output ("vLLM output 2, completion 1"), its
+    field and both sides, for a row whose length is not prompt + completion - 1, L, K or E that do not match, bad
+    ids, outputs without routes, or a malformed payload (not base64 of a whole `.npy` file of integers, ragged or
+    null-holding nested lists, float or bool ids, null or non-integer counts).
 
     Example:
         >>> routes = routes_from_vllm(llm.generate(prompts, params), model)  # doctest: +SKIP
@@ -62,63 +64,86 @@ def routes_from_vllm(
     layers = layers_of(model)
     if isinstance(outputs, Mapping) or hasattr(outputs, "outputs"):  # one RequestOutput or response, not a list
         outputs = [outputs]
-    rows, empties = [], False
+    if isinstance(outputs, str | bytes) or not isinstance(outputs, Iterable):
+        raise ValueError(f"vLLM outputs must be a list of RequestOutput or response dicts, got {shown(outputs)}")
+    K, decoder = layers[0].top_k, None if isinstance(model, Sequence) else decoder_layers(model)
+    rows, names, empties = [], [], False
     for r, out in enumerate(outputs):
-        for row, split in _rows_of(out, r):
+        for row, split, name in _rows_of(out, r, K):
+            check_columns(name, row.shape[1], layers, decoder)
             rows.append(row)
+            names.append(name)
             empties |= split
-    for row in rows:
-        check_columns("vLLM", row.shape[1], layers, None if isinstance(model, Sequence) else decoder_layers(model))
-    return Routes.from_rows(rows, layers, pad_left=pad_left, seq_len=seq_len, zeros_empty=empties)
+    return rows_to_routes("vLLM", rows, names, layers, pad_left=pad_left, seq_len=seq_len, zeros_empty=empties)
 
 
-def _rows_of(out: Any, r: int) -> list[tuple[np.ndarray, bool]]:
-    """[(routes of each completion of request `r`, whether the prompt routes came separately)]. A completions-endpoint
-    response gives each choice its prompt's ids (several prompts may share one response); others give them once."""
+def _rows_of(out: Any, r: int, K: int) -> list[tuple[np.ndarray, bool, str]]:
+    """[(routes of each completion of request `r`, whether the prompt routes came separately, what names it)]. A
+    completions-endpoint response gives each choice its prompt's ids (several prompts may share one response);
+    others give them once."""
+    where = f"vLLM output {r}"
+    if out is None or isinstance(out, PLAIN):
+        raise ValueError(f"{where} is {shown(out)}, not a RequestOutput or a response dict")
     server = isinstance(out, Mapping)
     get = out.get if server else lambda key, default=None: getattr(out, key, default)
+    key = "choices" if server else "outputs"
+    choices = get(key)
+    if choices is None or isinstance(choices, list | tuple) and not choices:
+        raise ValueError(f"{where} has no completions ({key} is {shown(choices)})")
+    if not isinstance(choices, list | tuple):
+        raise ValueError(f"{where}: {key} must be a list of completions, got {shown(choices)}")
+    indexed = []
+    for j, c in enumerate(choices):
+        if c is None or isinstance(c, PLAIN):
+            raise ValueError(f"{where}, completion {j} is {shown(c)}, not a CompletionOutput or a choice dict")
+        index = _field(c, "index")
+        indexed.append((j if index is None else whole(index, f"{where}, completion {j}", "index"), c))
+    indexed.sort(key=lambda pair: pair[0])
+    twice = next((a for (a, _), (b, _) in zip(indexed, indexed[1:], strict=False) if a == b), None)
+    if twice is not None:
+        raise ValueError(f"{where}: two of its completions have index {twice}")
+    prompt_routes = prompt_part = get("prompt_routed_experts")
+    if prompt_routes is not None:
+        prompt_routes = routes_array(prompt_routes, where, "prompt_routed_experts", K)
+        prompt_part = _cached_unrecorded(prompt_routes, _cached_tokens(out, server, where))
     shared = get("prompt_token_ids")
-    choices = get("choices") if server else get("outputs")
-    if not choices:
-        raise ValueError(f"vLLM output {r} has no completions")
-    prompt_routes = get("prompt_routed_experts")
-    prompt_routes = None if prompt_routes is None else _array(prompt_routes)
     found = []
-    for c in sorted(choices, key=lambda c: _field(c, "index") or 0):
-        where = f"output {r}, completion {_field(c, 'index') or 0}"
+    for index, c in indexed:
+        at = f"{where}, completion {index}"
         own = _field(c, "prompt_token_ids")
-        prompt = count(shared if own is None else own, "prompt_token_ids", f"vLLM {where}")
-        completion = count(_field(c, "token_ids"), "token_ids", f"vLLM {where}")
+        prompt = token_count(shared if own is None else own, at, "prompt_token_ids")
+        completion = token_count(_field(c, "token_ids"), at, "token_ids")
         routes = _field(c, "routed_experts")
         if routes is None:
-            raise ValueError(f"vLLM {where} holds no routed_experts: {FLAG}")
-        routes = _array(routes)
-        if prompt_routes is not None:  # the split form: prompt routes, then completion - 1 rows
-            if routes.size == 0:  # a one-token completion: no rows (a server's `[]`)
-                routes = routes.reshape(0, *prompt_routes.shape[1:])
-            check_row_length("vLLM", f"{where} (prompt part)", prompt_routes.shape[0], prompt, 1)
-            check_row_length("vLLM", f"{where} (completion part)", routes.shape[0], 0, completion)
-            if prompt_routes.shape[1:] != routes.shape[1:]:
-                raise ValueError(
-                    f"vLLM {where}: prompt routes have (layers, K) = {prompt_routes.shape[1:]} but completion "
-                    f"routes {routes.shape[1:]}"
-                )
-            prompt_part = _cached_unrecorded(prompt_routes, _cached_tokens(out, server))
-            routes = np.concatenate([prompt_part, routes.astype(prompt_part.dtype, copy=False)])
-        check_row_length("vLLM", where, routes.shape[0], prompt, completion)
-        found.append((routes, prompt_routes is not None))
+            raise ValueError(f"{at} holds no routed_experts: {FLAG}")
+        if prompt_routes is None:
+            routes = routes_array(routes, at, "routed_experts", K)
+            check_row_length(f"{at}, routed_experts", routes.shape[0], prompt, completion)
+            found.append((routes, False, f"{at}, routed_experts"))
+            continue
+        # the split form: prompt routes, then completion - 1 rows (none for a one-token completion: a server's `[]`)
+        routes = prompt_routes[:0] if _empty(routes) else routes_array(routes, at, "routed_experts", K)
+        check_row_length(f"{at}, prompt_routed_experts", prompt_routes.shape[0], prompt, 1)
+        check_row_length(f"{at}, routed_experts (completion part)", routes.shape[0], 0, completion)
+        if prompt_routes.shape[1:] != routes.shape[1:]:
+            raise ValueError(
+                f"{at}: prompt_routed_experts have (layers, K) = {prompt_routes.shape[1:]} but routed_experts "
+                f"{routes.shape[1:]}"
+            )
+        both = np.concatenate([prompt_part, routes], dtype=_holding(prompt_part.dtype, routes.dtype))
+        found.append((both, True, f"{at}, prompt_routed_experts + routed_experts"))
     return found
 
 
-def _cached_tokens(out: Any, server: bool) -> int | None:
+def _cached_tokens(out: Any, server: bool, where: str) -> int | None:
     """The prompt tokens vLLM served from its prefix cache (`RequestOutput.num_cached_tokens`, or the server's
     `usage.prompt_tokens_details.cached_tokens`); None where it does not say."""
     if not server:
         found = getattr(out, "num_cached_tokens", None)
-    else:
-        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
-        found = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return None if found is None else int(found)
+        return None if found is None else whole(found, where, "num_cached_tokens")
+    details = mapping(out.get("usage"), where, "usage").get("prompt_tokens_details")
+    found = mapping(details, where, "usage['prompt_tokens_details']").get("cached_tokens")
+    return None if found is None else whole(found, where, "usage['prompt_tokens_details']['cached_tokens']")
 
 
 def _cached_unrecorded(prompt_routes: np.ndarray, cached: int | None) -> np.ndarray:
@@ -131,28 +156,26 @@ def _cached_unrecorded(prompt_routes: np.ndarray, cached: int | None) -> np.ndar
     lead = (int(zero.argmin()) if not zero.all() else n) if cached is None else min(cached, n)
     if not zero[:lead].any():
         return prompt_routes
-    marked = prompt_routes.astype(np.int32)
+    marked = prompt_routes.astype(_holding(prompt_routes.dtype, np.int8))  # (a dtype that holds -1 and every id)
     marked[:lead][zero[:lead]] = -1
     return marked
 
 
+def _holding(*dtypes: Any) -> np.dtype:
+    """The integer dtype that holds every value of `dtypes` (int64 for uint64 with a signed one: its ids were
+    checked to fit int64)."""
+    common = np.result_type(*dtypes)
+    return np.dtype(np.int64) if common.kind != "i" and common.kind != "u" else common
+
+
+def _empty(value: Any) -> bool:
+    """Whether a split form's completion routes hold no ids (a one-token completion: `[]`, or an empty array)."""
+    if isinstance(value, list | tuple):
+        return not value
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 0
+    return isinstance(value, np.ndarray) and value.size == 0
+
+
 def _field(choice: Any, key: str) -> Any:
     return choice.get(key) if isinstance(choice, Mapping) else getattr(choice, key, None)
-
-
-def _array(value: Any) -> np.ndarray:
-    """A numpy array from vLLM's forms: an array, a tensor, nested lists, or base64 of an `.npy` file."""
-    if isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.numpy()
-    if isinstance(value, str | bytes):
-        raw = base64.b64decode(value)
-        try:
-            return np.load(io.BytesIO(raw), allow_pickle=False)
-        except ValueError as e:
-            raise ValueError(f"vLLM routed_experts string is not base64 of an .npy array ({len(raw)} bytes)") from e
-    array = np.asarray(value)
-    if array.ndim != 3 and array.size:  # (an empty one: a one-token completion's part of the split form)
-        raise ValueError(f"vLLM routed_experts must be [positions, layers, K], got shape {array.shape}")
-    return array
