@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -24,6 +26,10 @@ class TrainConfig:
     p_sampler), truncated or masked, as TRL's `vllm_importance_sampling_mode`; `off_policy_mask_threshold` drops
     negative-advantage answers that drifted further (TRL's name). `heldout_prompts` / `eval_every`: a fixed prompt
     set never trained on, and how often to evaluate on it (greedy and sampled).
+
+    Every setting is checked when the config is made (`config_check.validate`): its type, its range (nothing that
+    would crash after the warm start, train backwards or not train at all) and the `policy` keys (fields of the
+    transformers config of its `model_type`, or `tiny_moe`'s short names); a ValueError names the setting.
 
     Example (a TOML file; every key optional):
         steps = 50
@@ -48,7 +54,7 @@ class TrainConfig:
     group_size: int = 8
     minibatches: int = 4
     lr: float = 1e-4
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # inf: no clipping (the gradient norm is still logged)
     importance_sampling_level: str = "token"
     epsilon_low: float | None = None
     epsilon_high: float | None = None
@@ -67,60 +73,41 @@ class TrainConfig:
     checkpoint_every: int = 10
 
     def __post_init__(self) -> None:
-        if self.replay not in REPLAY_MODES:
-            raise ValueError(f"replay must be one of {REPLAY_MODES}, got {self.replay!r}")
-        if self.importance_sampling_level not in LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {LEVELS}, got {self.importance_sampling_level!r}"
-            )
-        from .sampler import CORRECTIONS, DTYPES, QUANT
+        from .config_check import validate
 
-        choices = {
-            "rollout_dtype": DTYPES,
-            "rollout_weight_quant": QUANT,
-            "sampler_correction": CORRECTIONS,
-            "old_logprob_source": ("trainer", "sampler"),
-        }
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key} must be one of {list(allowed)}, got {getattr(self, key)!r}")
-        if self.eval_every and not self.heldout_prompts:
-            raise ValueError(f"eval_every={self.eval_every} needs held-out prompts: set heldout_prompts > 0")
-        if self.eval_every < 0 or self.heldout_prompts < 0:
-            raise ValueError("eval_every and heldout_prompts must be >= 0")
-        if not self.router_scale > 0:
-            raise ValueError(f"router_scale must be > 0, got {self.router_scale}")
-        for key in ("steps", "prompts", "checkpoint_every", "warm_start_steps"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.group_size < 2:
-            raise ValueError(
-                f"group_size must be >= 2, got {self.group_size}: advantages are relative to a group's other answers, "
-                "so one answer per prompt gives every advantage 0 and nothing is learned"
-            )
-        from .losses import clip_range
-
-        clip_range(self.importance_sampling_level, self.epsilon_low, self.epsilon_high)  # (before the warm start)
-        n = self.prompts * self.group_size
-        if self.minibatches < 1 or n % self.minibatches:
-            raise ValueError(
-                f"minibatches={self.minibatches} must divide prompts x group_size = {self.prompts} x {self.group_size}"
-            )
+        validate(self)  # types, ranges and the [policy] keys, before any work (rl/config_check.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def load_config(path: str | Path, **overrides: Any) -> TrainConfig:
-    """Read a TOML file into a `TrainConfig`; unknown keys are an error naming them and the known ones.
+    """Read a TOML file into a `TrainConfig`; a TOML syntax error is a ValueError naming the file and the line, an
+    unknown key one naming it and the nearest known one (the values are checked by `TrainConfig` itself).
 
     Example:
         >>> cfg = load_config("configs/grpo_replay.toml", steps=10)  # doctest: +SKIP
     """
-    data = tomllib.loads(Path(path).read_text())
+    text = Path(path).read_text()  # (a missing file: FileNotFoundError naming it)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        # Python 3.14+ has e.lineno / e.colno; before, they are only in the message: "... (at line 3, column 7)"
+        found = re.search(r" \(at line (\d+), column (\d+)\)$", str(e))
+        line, column = getattr(e, "lineno", None), getattr(e, "colno", None)
+        if line is None and found:
+            line, column = int(found[1]), int(found[2])
+        message = str(e)[: found.start()] if found else str(e)
+        where = f", line {line}, column {column}" if line is not None else ""
+        raise ValueError(f"{path}{where}: not valid TOML: {message}") from None
     data.update(overrides)
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(data) - known)
+    known = [f.name for f in fields(TrainConfig)]
+    unknown = sorted(set(data) - set(known))
     if unknown:
-        raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
-    return TrainConfig(**data)
+        near = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+        hints = "; ".join(f"did you mean {m[0]!r} for {k!r}?" for k, m in near.items() if m)
+        raise ValueError(f"{path}: unknown settings {unknown}; " + (hints or f"known: {sorted(known)}"))
+    try:
+        return TrainConfig(**data)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

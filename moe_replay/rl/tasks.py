@@ -92,6 +92,16 @@ class Task:
             prompts[hit], answers[hit] = new_p, new_a
         return prompts, answers
 
+    @property
+    def prompt_space(self) -> int:
+        """How many distinct prompts the task has (at most half of them can be held out).
+
+        Example:
+            >>> Task("addition", 2).prompt_space
+            10000
+        """
+        return 10 ** (2 * self.size if self.kind == "addition" else self.size)
+
     def heldout(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`n` distinct prompts and answers drawn from their own generator (`seed`): an evaluation set that
         training excludes with `sample(..., exclude=...)`.
@@ -101,7 +111,7 @@ class Task:
             >>> len({tuple(p) for p in prompts.tolist()})
             4
         """
-        space = 10 ** (2 * self.size if self.kind == "addition" else self.size)
+        space = self.prompt_space
         if n > space // 2:
             raise ValueError(f"{n} held-out prompts would be over half of the task's {space} prompts")
         g = torch.Generator().manual_seed(seed)

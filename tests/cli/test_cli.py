@@ -41,3 +41,23 @@ def test_drift_prompts_are_right_padded_so_that_columns_are_positions(tmp_path, 
     args = argparse.Namespace(prompts=tmp_path / "prompts.txt", model=str(tmp_path), length=16, device="cpu")
     ids, mask = _batch(args, tiny_moe(0))
     assert mask[:, 0].all() and not mask[:, -1].all()  # every row starts at column 0; the shorter ones are padded
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('steps = 5\nreplay = "rollout\n', "line 3, column 18: not valid TOML"),  # a TOML syntax error
+        ("steps = 5\n[policy]\nnum_expert = 8\n", "did you mean 'num_experts'"),  # an unknown [policy] key
+        ("max_grad_norm = -1.0\n", "max_grad_norm must be > 0, got -1.0"),  # a setting that trains backwards
+        ('partial_credit = "false"\n', "partial_credit must be a bool, got 'false'"),
+    ],
+)
+def test_train_config_errors_are_usage_errors(tmp_path, capsys, text, message):
+    """`moe-replay train --config bad.toml`: `error: ...` naming the file, exit status 2, no traceback, no run."""
+    path = tmp_path / "bad.toml"
+    path.write_text(f'output = "{tmp_path / "run"}"\n' + text)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(path), "--quiet"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"moe-replay train: error: {path}") and message in err, err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
