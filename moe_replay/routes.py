@@ -32,9 +32,11 @@ class LayerInfo:
     top_k: int
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.num_experts, int) and isinstance(self.top_k, int)):
+        counts = (self.num_experts, self.top_k)
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts) or not isinstance(self.name, str):
             raise ValueError(
-                f"layer {self.name!r}: num_experts and top_k must be int, got {self.num_experts!r}, {self.top_k!r}"
+                f"layer {self.name!r}: the name must be a str and num_experts and top_k ints, got "
+                f"{self.num_experts!r}, {self.top_k!r}"
             )
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"layer {self.name!r}: top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")

@@ -74,18 +74,27 @@ def as_tensor(row: Any) -> torch.Tensor:
     """
     if isinstance(row, torch.Tensor):
         row = row.cpu()  # routes are laid out on the host (rows on an accelerator are copied once)
+        if row.dtype == torch.uint64:
+            return as_tensor(row.numpy())  # (checked as numpy's: ids of 2**63 and up would turn negative)
         # torch reads its wider unsigned dtypes for a few ops only: widened (expert ids fit int64)
-        return row.long() if row.dtype in (torch.uint16, torch.uint32, torch.uint64) else row
-    if isinstance(row, np.ndarray):
-        if row.dtype.kind == "u" and row.dtype.itemsize > 1:  # (likewise; ids < 65536 fit int32)
-            row = row.astype(np.int32 if row.dtype.itemsize == 2 else np.int64)
-        elif not row.dtype.isnative:  # (an .npy written big-endian)
-            row = row.astype(row.dtype.newbyteorder("="))
-        row = np.ascontiguousarray(row)
-        with warnings.catch_warnings():  # a read-only buffer (np.frombuffer of a payload): it is only read
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(row)
-    return torch.as_tensor(np.asarray(row))
+        return row.long() if row.dtype in (torch.uint16, torch.uint32) else row
+    if not isinstance(row, np.ndarray):
+        try:
+            row = np.asarray(row)
+        except ValueError as e:  # (ragged nested lists)
+            raise ValueError(f"expected integer routes [n, C, K], got nested lists numpy cannot read: {e}") from None
+    if row.dtype.kind not in "iub":  # (bool is refused by the caller, naming the row)
+        raise ValueError(f"expected integer routes [n, C, K], got {row.shape} {row.dtype}")
+    if row.dtype.kind == "u" and row.dtype.itemsize == 8 and row.size and int(row.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"expert id {int(row.max())} outside int64 (and any layer's experts)")
+    if row.dtype.kind == "u" and row.dtype.itemsize > 1:  # (likewise; ids < 65536 fit int32)
+        row = row.astype(np.int32 if row.dtype.itemsize == 2 else np.int64)
+    elif not row.dtype.isnative:  # (an .npy written big-endian)
+        row = row.astype(row.dtype.newbyteorder("="))
+    row = np.ascontiguousarray(row)
+    with warnings.catch_warnings():  # a read-only buffer (np.frombuffer of a payload): it is only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(row)
 
 
 def layer_range(picked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,9 +165,14 @@ def routes_from_rows(
     K = getattr(layers[0], "top_k", None)
     check_layers(layers, K, f"layer {getattr(layers[0], 'name', None)!r} has top_k={K}")
     pads = pad_offsets(pad_left, B)
-    tensors = [as_tensor(r) for r in rows]
+    tensors = []
+    for i, r in enumerate(rows):
+        try:
+            tensors.append(as_tensor(r))
+        except ValueError as e:
+            raise ValueError(f"row {i}: {e}") from None
     for i, t in enumerate(tensors):
-        if t.dim() != 3 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        if t.dim() != 3 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"row {i}: expected integer routes [n, C, K], got {tuple(t.shape)} {t.dtype}")
     for i, t in enumerate(tensors):
         if t.shape[2] != K:
@@ -168,12 +182,12 @@ def routes_from_rows(
         raise ValueError(f"rows disagree on their number of layer columns: {sorted(shapes)}")
     C = next(iter(shapes)) if shapes else len(layers)
     cols = list(columns) if columns is not None else engine_columns(layers, C)
+    if any(isinstance(c, bool) or not isinstance(c, Integral) for c in cols):
+        raise ValueError(f"columns must be whole numbers (engine column indices), got {cols}")
     if len(cols) != len(layers):
         raise ValueError(f"{len(cols)} columns given for {len(layers)} layers")
     if any(not 0 <= c < C for c in cols):
         raise ValueError(f"columns {cols} name columns outside the rows' {C} layer columns (0..{C - 1})")
-    if any(isinstance(c, bool) or not isinstance(c, Integral) for c in cols):
-        raise ValueError(f"columns must be whole numbers (engine column indices), got {cols}")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, Integral) or seq_len < 0):
         raise ValueError(f"seq_len must be a whole number >= 0, got {seq_len!r}")
     ends = [p + t.shape[0] for p, t in zip(pads, tensors, strict=True)]

@@ -38,3 +38,29 @@ def test_numpy_and_torch_whole_numbers_place_rows_as_ints_do():
     for pad_left in (np.array([1]), torch.tensor([1]), [1.0], [np.int64(1)]):
         got = Routes.from_rows(ROWS, LAYERS, pad_left=pad_left, seq_len=np.int64(3), columns=[np.int64(0)])
         assert got.equal(expected)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            np.full((1, 1, 2), 2**64 - 1, dtype=np.uint64),
+            "row 0: expert id 18446744073709551615 outside int64",
+        ),  # was -1
+        (np.array([[[1 + 0j, 2]]]), "row 0: expected integer routes .* complex128"),  # NotImplementedError before
+        (torch.tensor([[[1 + 0j, 2]]]), "torch.complex64"),
+        (np.array([[[1, None]]], dtype=object), "got \\(1, 1, 2\\) object"),  # TypeError before
+        ([[[0, 1]], [[0]]], "row 0: .* nested lists numpy cannot read"),  # numpy's own message, naming no row
+        (np.array([[[0.0, 1.0]]]), "float64"),
+    ],
+)
+def test_rows_of_other_dtypes_are_refused_naming_the_row(row, message):
+    with pytest.raises(ValueError, match=message):
+        Routes.from_rows([row], LAYERS)
+    with pytest.raises(ValueError, match="columns must be whole numbers .* got \\[None\\]"):  # TypeError before
+        Routes.from_rows(ROWS, LAYERS, columns=[None])
+
+
+def test_a_bool_is_no_expert_count():
+    with pytest.raises(ValueError, match="num_experts and top_k ints, got True, 1"):
+        LayerInfo("model.layers.0.mlp.gate", True, 1)
