@@ -15,7 +15,9 @@ CHECKPOINT_FILE = torch.utils.checkpoint.__file__
 CHECKPOINT_MODULE = torch.utils.checkpoint.__name__
 CHECKPOINT_HOOK = "_checkpoint_hook"  # the saved-tensor hooks class under which its first forward runs
 NON_REENTRANT_UNPACK = CHECKPOINT_HOOK + ".__init__.<locals>.unpack_hook"  # its unpack hook, which recomputes
-CHECKPOINT_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+# the local of a non-reentrant checkpoint's call (`checkpoint` itself before torch 2.14, `_checkpoint_impl` since) that
+# holds the generator its forward runs between, whose own frame holds the checkpoint's `_CheckpointFrame`
+CHECKPOINT_GENERATOR, CHECKPOINT_STATE = "gen", "new_frame"
 
 
 def in_backward() -> bool:
@@ -79,10 +81,8 @@ def checkpoint_chain() -> tuple[weakref.ref, ...]:
             ctx = frame.f_locals.get("ctx")
             if isinstance(ctx, torch.autograd.function.BackwardCFunction):
                 found.append(ctx)
-        elif code is CHECKPOINT_CODE:  # a non-reentrant `torch.utils.checkpoint.checkpoint`: its generator's frame
-            gen = frame.f_locals.get("gen")
-            state = getattr(gen, "gi_frame", None)
-            outer = state.f_locals.get("new_frame") if state is not None else None
+        elif code.co_filename == CHECKPOINT_FILE and CHECKPOINT_GENERATOR in code.co_varnames:
+            outer = _generator_frame(frame)  # a non-reentrant `torch.utils.checkpoint.checkpoint`
             if outer is not None and outer is not hook_frame:
                 found.append(outer)
         frame = frame.f_back
@@ -93,6 +93,14 @@ def checkpoint_chain() -> tuple[weakref.ref, ...]:
         except TypeError:
             pass
     return tuple(refs)
+
+
+def _generator_frame(frame: object) -> object | None:
+    """The `_CheckpointFrame` of the non-reentrant checkpoint whose call runs in `frame` (torch's checkpoint.py), read
+    from the generator it holds; None if it holds none (yet)."""
+    gen = frame.f_locals.get(CHECKPOINT_GENERATOR)
+    state = getattr(gen, "gi_frame", None)
+    return state.f_locals.get(CHECKPOINT_STATE) if state is not None else None
 
 
 def within(chain: tuple[weakref.ref, ...], checkpoint: object) -> bool:
