@@ -5,7 +5,9 @@ its modules locally, so every router is named by its global layer number and kno
 
 from __future__ import annotations
 
+import os
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,11 +18,13 @@ from torch import nn
 from ...errors import UnsupportedModelError
 from ...routes import LayerInfo
 
-INSTALL_HINT = "pip install 'moe-replay[megatron]' (megatron-core >= 0.16)"
+TESTED_MEGATRON = ("0.16", "0.20")  # megatron-core >= 0.16, < 0.20: 0.16.1 and 0.19.2 tested, 0.17-0.18 in between
+INSTALL_HINT = "pip install 'moe-replay[megatron]' (megatron-core >= 0.16, < 0.20)"
 
 
 def megatron_api() -> tuple[type, Any]:
-    """(TopKRouter, RouterReplayAction), or an ImportError that says how to install megatron-core."""
+    """(TopKRouter, RouterReplayAction) of a megatron-core in the tested range (`check_version`), or an ImportError
+    that says how to install it."""
     try:
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
@@ -28,7 +32,33 @@ def megatron_api() -> tuple[type, Any]:
         raise ImportError(
             f"moe_replay.integrations.megatron needs megatron-core with RouterReplay: {INSTALL_HINT}"
         ) from e
+    from megatron.core.package_info import __version__
+
+    check_version(__version__)
     return TopKRouter, RouterReplayAction
+
+
+def check_version(installed: str) -> None:
+    """Raise ImportError, naming both, unless megatron-core `installed` is in the range this engine is tested with
+    (`TESTED_MEGATRON`); `MOE_REPLAY_MEGATRON_UNTESTED=1` makes it a warning. Asked when a context first meets a
+    megatron-core model, never at import (the importers and Hugging Face users may have another megatron installed).
+
+    Example:
+        >>> check_version("0.19.2")
+    """
+    from packaging.version import Version
+
+    low, high = TESTED_MEGATRON
+    release = Version(Version(installed).base_version)  # (a 0.20 pre-release is 0.20)
+    if Version(low) <= release < Version(high):
+        return
+    message = (
+        f"moe-replay's Megatron engine is tested with megatron-core>={low},<{high} (0.16.1 and 0.19.2) but "
+        f"megatron-core {installed} is installed: {INSTALL_HINT}, or set MOE_REPLAY_MEGATRON_UNTESTED=1 to try it"
+    )
+    if os.environ.get("MOE_REPLAY_MEGATRON_UNTESTED") != "1":
+        raise ImportError(message)
+    warnings.warn(message, stacklevel=3)
 
 
 @dataclass
