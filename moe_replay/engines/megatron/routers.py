@@ -145,8 +145,13 @@ def _global_name(name: str, module: nn.Module, pattern: list[int]) -> tuple[str,
     return ".".join(parts), sum(pattern[: number - 1])
 
 
-def _refusal(module: nn.Module) -> str | None:
-    """Why replay cannot act on this router, or None."""
+def refusal(module: nn.Module, name: str) -> str | None:
+    """Why replay cannot act on router `name` (a `TopKRouter` with its `config`), or None.
+
+    Example:
+        >>> refusal(router, "decoder.layers.0.mlp.router")  # doctest: +SKIP
+        "moe_router_fusion=True (the fused top-k bypasses RouterReplay)"
+    """
     config = module.config
     refused = {
         "moe_router_fusion=True (the fused top-k bypasses RouterReplay)": getattr(config, "moe_router_fusion", False),
@@ -163,6 +168,20 @@ def _refusal(module: nn.Module) -> str | None:
         "moe_router_force_load_balancing=True (random logits for benchmarks)": getattr(
             config, "moe_router_force_load_balancing", False
         ),
+        # megatron-core 0.19: quantile balancing passes its own indices (precomputed_indices), skipping RouterReplay;
+        # a forced bias adds random logits per forward; a repeated MTP layer runs its router mtp_num_layers times
+        "moe_router_load_balancing_type='quantile_balancing' (its precomputed indices bypass RouterReplay)": getattr(
+            module, "routing_type", None
+        )
+        == "quantile_balancing",
+        "moe_router_force_biased set (a random logit bias per forward)": getattr(
+            config, "moe_router_force_biased", None
+        )
+        is not None,
+        "mtp_use_repeated_layer=True (one multi-token-prediction layer runs its router mtp_num_layers times per "
+        "forward)": is_mtp(name)
+        and getattr(config, "mtp_use_repeated_layer", False)
+        and (getattr(config, "mtp_num_layers", None) or 1) > 1,
     }
     return next((what for what, on in refused.items() if on), None)
 
@@ -174,7 +193,8 @@ def find_routers(model: nn.Module | Sequence[nn.Module]) -> list[Site]:
     Under pipeline parallelism each router is named with its global layer number (`decoder.layers.5.mlp.router` on
     the stage that holds layer 5 as its local layer 1) and knows its global MoE-layer index (`site.position`).
     Raises ValueError for a model without routers, routers built without `moe_enable_routing_replay`, and the
-    configurations in which megatron-core would skip replay silently (fused routing, sinkhorn, CUDA graphs) or
+    configurations in which megatron-core would skip replay silently (fused routing, sinkhorn, quantile balancing, CUDA
+    graphs), route at random (forced load balancing or bias), run a router several times (a repeated MTP layer) or
     split the sequence in another layout (context parallelism).
 
     Example:
@@ -193,7 +213,7 @@ def find_routers(model: nn.Module | Sequence[nn.Module]) -> list[Site]:
                     f"router {name!r} has no RouterReplay: build the model with "
                     "TransformerConfig(..., moe_enable_routing_replay=True) to record or replay its routes"
                 )
-            why = _refusal(module)
+            why = refusal(module, name)
             if why:
                 raise UnsupportedModelError(f"router {name!r}: routes cannot be recorded or replayed with {why}")
             position, full = len(sites), name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from moe_replay.engines.megatron import (  # noqa: E402
     routes_to_rows,
     rows_to_routes,
 )
+from moe_replay.engines.megatron.routers import refusal  # noqa: E402
 from moe_replay.routes import LayerInfo  # noqa: E402
 
 
@@ -360,6 +362,19 @@ def test_refusals_name_the_fix():
         record_routes(forced).__enter__()
     with pytest.raises(ValueError, match="no megatron-core MoE router"):
         record_routes(torch.nn.Linear(2, 2)).__enter__()
+    for flip, field in (  # megatron-core 0.19's settings, flipped on a built model (0.16 has none of them)
+        (lambda r: setattr(r, "routing_type", "quantile_balancing"), "quantile_balancing"),
+        (lambda r: setattr(r.config, "moe_router_force_biased", 0.5), "moe_router_force_biased"),
+    ):
+        model = tiny_gpt()
+        flip(routers(model)[1])
+        with pytest.raises(ValueError, match=f"router 'decoder.layers.[01].mlp.router'.*{field}"):
+            record_routes(model).__enter__()
+    repeated = SimpleNamespace(config=SimpleNamespace(mtp_use_repeated_layer=True, mtp_num_layers=2))
+    assert "mtp_use_repeated_layer" in refusal(repeated, "mtp.layers.0.transformer_layer.mlp.router")
+    assert refusal(repeated, "decoder.layers.0.mlp.router") is None  # (the decoder's routers run once)
+    repeated.config.mtp_num_layers = 1
+    assert refusal(repeated, "mtp.layers.0.transformer_layer.mlp.router") is None
 
     model = tiny_gpt()
     with record_routes(model) as rec:
