@@ -13,18 +13,12 @@ import pytest
 import torch
 from engine_payloads import (
     decoder_columns,
-    recorded_generation,
     sglang_responses,
     vllm_outputs,
 )
 
 from moe_replay.integrations.sglang import routes_from_sglang
 from moe_replay.integrations.vllm import routes_from_vllm
-
-
-@pytest.fixture(scope="module")
-def generation():
-    return recorded_generation()
 
 
 def server_split(gen):  # noqa: ANN001, ANN201

@@ -16,7 +16,6 @@ from engine_payloads import (
     decoder_columns,
     imported_equal,
     pads,
-    recorded_generation,
     sglang_responses,
     vllm_outputs,
 )
@@ -25,11 +24,6 @@ from helpers import tiny_qwen3_moe
 from moe_replay import LayerInfo, Routes, record_routes
 from moe_replay.integrations.sglang import routes_from_sglang
 from moe_replay.integrations.vllm import routes_from_vllm
-
-
-@pytest.fixture(scope="module")
-def generation():
-    return recorded_generation()
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.uint16])

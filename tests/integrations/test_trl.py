@@ -3,6 +3,8 @@ experts really used, bit-exact old log-probs, alignment under padding / EOS / sh
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from trl_utils import Spy, agreement, config, logged, make, prompts, reward, tiny_policy
@@ -131,21 +133,25 @@ def teacher_forced(trainer, gen):  # noqa: ANN001, ANN201
     return rec.routes
 
 
-def test_peft_reference_routes_live(tmp_path):
-    """PEFT with beta != 0: the reference is the same model with its adapter disabled. Its log-probs are computed
-    live even where the policy's replayed routes differ from the reference's own."""
+def peft_ref(tmp_path, max_steps: int, **lora: Any) -> PeftRef:  # noqa: ANN001
+    """A `PeftRef` trainer (beta 0.1, R3) with LoRA on q/v and `lora`'s further LoraConfig settings."""
     from peft import LoraConfig
 
-    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    trainer = PeftRef(
+    return PeftRef(
         model=tiny_policy(),
         reward_funcs=reward,
-        args=config(tmp_path, beta=0.1, max_steps=6, learning_rate=0.1),
+        args=config(tmp_path, beta=0.1, max_steps=max_steps, learning_rate=0.1),
         train_dataset=prompts(),
         processing_class=tiny_tokenizer(),
         routing_replay="rollout",
-        peft_config=peft,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **lora),
     )
+
+
+def test_peft_reference_routes_live(tmp_path):
+    """PEFT with beta != 0: the reference is the same model with its adapter disabled. Its log-probs are computed
+    live even where the policy's replayed routes differ from the reference's own."""
+    trainer = peft_ref(tmp_path, max_steps=6, lora_alpha=8)
     trainer.train()
     differ = 0
     for gen in trainer.generated:
@@ -161,18 +167,7 @@ def test_routers_trained_in_full_beside_lora_replay(tmp_path, target):
     """PEFT `modules_to_save` (the routers, or the MoE blocks) beside LoRA, beta != 0: every loss forward uses the
     replayed experts on the trained copies, the adapter-disabled reference routes live on the frozen originals, and
     the trained copies' routers learn while the originals stay as they were."""
-    from peft import LoraConfig
-
-    peft = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, modules_to_save=[target])
-    trainer = PeftRef(
-        model=tiny_policy(),
-        reward_funcs=reward,
-        args=config(tmp_path, beta=0.1, max_steps=3, learning_rate=0.1),
-        train_dataset=prompts(),
-        processing_class=tiny_tokenizer(),
-        routing_replay="rollout",
-        peft_config=peft,
-    )
+    trainer = peft_ref(tmp_path, max_steps=3, modules_to_save=[target])
     before = params(trainer)
     trainer.train()
     assert len(trainer.used) == 3
