@@ -39,8 +39,8 @@ def replay_routes(
     """Force every router of `model` to select the experts in `routes` while the context is open (forward, and
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
     `record_routes`; a list of `Routes` (one per micro-batch forward), and a list of modules (a pipeline rank's
-    virtual-pipeline chunks), are for megatron-core models. `track_live`
-    (Hugging Face models) also counts how many replayed experts live routing would have changed.
+    virtual-pipeline chunks), are for megatron-core models. `track_live` also counts how many replayed experts live
+    routing would have changed (`ctx.live_moved()`).
 
     Example:
         >>> with replay_routes(model, routes):  # doctest: +SKIP
@@ -50,9 +50,7 @@ def replay_routes(
     if walked(model):  # a transformers model a context walked before (as often as once per log-prob chunk)
         return hf.RouteReplayer(model, routes, track_live=track_live)
     if megatron.is_megatron_model(model):
-        if track_live:
-            raise ValueError("track_live is supported on Hugging Face models, not on megatron-core models")
-        return megatron.replay_routes(model, routes)
+        return megatron.replay_routes(model, routes, track_live=track_live)
     return hf.replay_routes(_one_module(model), routes, track_live=track_live)
 
 

@@ -28,7 +28,9 @@ from .rows import routes_to_rows
 class MegatronRouteReplayer(RouterReplayContext):
     """Context manager returned by `replay_routes`."""
 
-    def __init__(self, model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes]) -> None:
+    def __init__(
+        self, model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes], *, track_live: bool = False
+    ) -> None:
         self.per_forward = not isinstance(routes, Routes)
         routes_list = list(routes) if self.per_forward else [routes]
         bad = [type(r).__name__ for r in routes_list if not isinstance(r, Routes)]
@@ -38,11 +40,19 @@ class MegatronRouteReplayer(RouterReplayContext):
             )
         super().__init__(model)
         self.routes = routes
+        self.track_live = track_live
+        # per layer column: replayed expert slots whose live pick differs, and replayed tokens compared (`live_moved`)
+        self._moved = self._compared = None
+        if track_live:
+            L, device = max(len(r.layers) for r in routes_list), routes_list[0].device
+            self._moved = torch.zeros(L, dtype=torch.int64, device=device)
+            self._compared = torch.zeros(L, dtype=torch.int64, device=device)
 
     def _prepare(self, sites: list[Site]) -> None:
         self._rows: list[dict[str, torch.Tensor]] = []  # per Routes: router name -> [T, B, K] int64
         self._masks: list[torch.Tensor] = []  # per Routes: [T, B] bool, sequence-major like Megatron's rows
         self._complete: list[bool] = []  # per Routes: every position recorded
+        self._columns: list[dict[str, int]] = []  # per Routes: router name -> its layer column
         given = self.routes if self.per_forward else [self.routes]
         # multi-token-prediction routers route live when the routes hold no such layer (a rollout engine's): they
         # act after the main head, so the policy's log-probs do not depend on them
@@ -60,6 +70,7 @@ class MegatronRouteReplayer(RouterReplayContext):
             T, B = r.seq_len, r.batch_size
             rows = routes_to_rows(r)  # unrecorded positions get valid ids (they route live anyway)
             self._rows.append({s.name: rows[columns[s.name]].reshape(T, B, -1) for s in replayed})
+            self._columns.append(columns)
             self._masks.append(r.mask.transpose(0, 1))
             self._complete.append(bool(r.mask.all()))  # once here, not a device sync per router call
         self._consumed = False
@@ -82,6 +93,7 @@ class MegatronRouteReplayer(RouterReplayContext):
                 f"of {B} sequences of {S * size} positions{split}"
             )
         span = slice(rank * S, (rank + 1) * S)
+        site.column = self._columns[n][site.name]
         rows = self._rows[n][site.name][span].reshape(S * B, -1)
         return rows, None if self._complete[n] else self._masks[n][span].reshape(S * B)
 
@@ -90,7 +102,7 @@ class MegatronRouteReplayer(RouterReplayContext):
 
         def hook(module: nn.Module, args: Any) -> None:
             rr = module.router_replay
-            site.used = False
+            site.used = site.track = False
             if site.name in self._live:  # (a multi-token-prediction router the routes do not cover)
                 site.mask = None
                 rr.set_router_replay_action(None)
@@ -115,6 +127,7 @@ class MegatronRouteReplayer(RouterReplayContext):
                 rr.set_router_replay_action(backward)
                 return
             rows, site.mask = self._call_rows(site, args[0])
+            site.track = self.track_live  # (a recompute in the backward is not counted)
             rr.set_router_replay_action(forward)
             rr.set_target_indices(rows)  # also queues the rows for REPLAY_BACKWARD
             # Activation recompute runs the first forward of a checkpointed block without grad inside a forward
@@ -128,6 +141,33 @@ class MegatronRouteReplayer(RouterReplayContext):
 
     def _after_router(self, site: Site, hidden: torch.Tensor) -> None:
         self._consumed = True
+
+    def _compare(self, site: Site, live: torch.Tensor, used: torch.Tensor) -> None:
+        """Count the replayed expert slots of this call ([N, K]) that its live pick `live` [N, K] would change."""
+        kept = (live[:, :, None] == used[:, None, :]).any(-1).sum(-1)  # [N]: live picks among the replayed ones
+        moved = used.shape[-1] - kept
+        if site.mask is not None:  # (positions routed live are not compared)
+            mask = site.mask.to(moved.device)
+            moved, compared = moved[mask], mask.sum()
+        else:
+            compared = torch.tensor(moved.numel(), device=moved.device)
+        self._moved[site.column] += moved.sum().to(self._moved.device)
+        self._compared[site.column] += compared.to(self._compared.device)
+
+    def live_moved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `track_live=True`: per layer column of the routes, the replayed expert slots whose live pick differed
+        and the replayed tokens compared, both int64 [L], summed over this rank's router calls so far (recomputes in
+        the backward are not counted; under tensor or pipeline parallelism each rank counts its own calls, and a stage
+        only its own layers). The share that moved is `moved.sum() / (compared.sum() * K)`.
+
+        Example:
+            >>> with replay_routes(gpt_model, routes, track_live=True) as ctx:  # doctest: +SKIP
+            ...     gpt_model(tokens, position_ids, attention_mask)
+            >>> moved, compared = ctx.live_moved()  # doctest: +SKIP
+        """
+        if not self.track_live:
+            raise ValueError("live_moved() needs replay_routes(model, routes, track_live=True)")
+        return self._moved.clone(), self._compared.clone()
 
     def _finish(self) -> None:
         # (a call whose checkpoints were all freed unrecomputed, its forward's output dropped, is never recomputed)
@@ -182,7 +222,9 @@ def recomputed_call(site: Site, found: torch.Tensor | None, checkpoint: Any = No
     return hits[0]
 
 
-def replay_routes(model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes]) -> MegatronRouteReplayer:
+def replay_routes(
+    model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes], *, track_live: bool = False
+) -> MegatronRouteReplayer:
     """Force every router of a megatron-core model to select the experts in `routes` (unrecorded positions route
     live), in the forward and in the recompute of the backward; the router still gets gradients.
 
@@ -193,7 +235,8 @@ def replay_routes(model: nn.Module | Sequence[nn.Module], routes: Routes | Seque
 
     Layers match by module path (or a dotted suffix of it); routes from another engine whose names match none of
     the model's map by layer order when the number of layers, experts and top-k agree. A batch or sequence length
-    other than the routes' raises `ReplayError`.
+    other than the routes' raises `ReplayError`. `track_live=True` also counts, beside each replayed call and without
+    gradient or host sync, the replayed experts its live pick would change (`MegatronRouteReplayer.live_moved`).
 
     Example:
         >>> with replay_routes(gpt_model, routes):  # doctest: +SKIP
@@ -204,4 +247,4 @@ def replay_routes(model: nn.Module | Sequence[nn.Module], routes: Routes | Seque
         ...     for loss in losses:
         ...         loss.backward()
     """
-    return MegatronRouteReplayer(model, routes)
+    return MegatronRouteReplayer(model, routes, track_live=track_live)

@@ -74,6 +74,8 @@ class Site:
     # awaiting recompute: (rows, mask, fingerprint of the router input, the checkpoints around it: checkpoint_chain)
     pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any]] = field(default_factory=list)
     mask: torch.Tensor | None = None  # [S_local * B] bool for the current call (False: route live; None: all)
+    track: bool = False  # the current call compares its live pick with the replayed one (track_live)
+    column: int = 0  # the current call's layer column in its routes
     used: bool = False
 
 

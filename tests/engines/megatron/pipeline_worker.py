@@ -102,6 +102,12 @@ def pipeline_worker(rank: int, runs: list[tuple[int | None, tuple[int, ...]]], o
             run_counts(rank, vpp, counts, out_dir)
 
 
+def moved_slots(a: Any, b: Any, layer: int) -> int:
+    """Expert slots of `layer` (a column of both Routes) in `a` not among `b`'s at the same position."""
+    x, y = a.indices[:, :, layer].long(), b.indices[:, :, layer].long()
+    return int((x.shape[-1] - (x[..., :, None] == y[..., None, :]).any(-1).sum(-1)).sum())
+
+
 def run_counts(rank: int, vpp: int | None, counts: tuple[int, ...], out_dir: str) -> None:
     """`pipeline_worker`'s work for one pipeline layout."""
     from moe_replay import LayerInfo, Routes
@@ -127,7 +133,7 @@ def run_counts(rank: int, vpp: int | None, counts: tuple[int, ...], out_dir: str
             for name, m in chunk.named_modules()
             if name.endswith("mlp.router")
         ]
-        with replay_routes(chunks, whole):
+        with replay_routes(chunks, whole, track_live=True) as ctx:
             losses = run_schedule(chunks, data, forward_only=False)
         for hook in hooks:
             hook.remove()
@@ -139,6 +145,9 @@ def run_counts(rank: int, vpp: int | None, counts: tuple[int, ...], out_dir: str
             "losses": losses,
             "recomputed": sum(recomputed),
             "grads": grads(chunks),
+            "live_counts": [t.tolist() for t in ctx.live_moved()],  # (moved, compared) per whole-model column
+            "tokens": sum(int(r.mask.sum()) for r in own),
+            "moved_first": sum(moved_slots(a, b, 0) for a, b in zip(own, live.batches, strict=True)),
         }
         set_recompute(chunks, False)
         if n == max(counts):

@@ -512,3 +512,50 @@ def test_engine_routes_replay_on_megatron():
     with replay_routes(model, routes):
         assert torch.equal(model(tokens, pos, mask), from_engine)
     assert not torch.equal(model(tokens, pos, mask), from_engine)  # live routing moved: the replay mattered
+
+
+def moved_slots(a: Routes, b: Routes, layer: int) -> int:
+    """Expert slots of `layer` in `a` not among `b`'s at the same (recorded) position."""
+    x, y = a.indices[:, :, layer].long(), b.indices[:, :, layer].long()
+    kept = (x[..., :, None] == y[..., None, :]).any(-1).sum(-1)  # [B, T]
+    return int((x.shape[-1] - kept)[a.mask & b.mask].sum())
+
+
+def test_track_live_counts_the_replayed_experts_live_routing_would_change():
+    """Beside each replayed call, the live pick: 0 moved for a model's own routes; after perturbing the routers, the
+    first layer's count equals a live recording's difference exactly (the same input); recomputes are not counted;
+    unrecorded positions are not compared."""
+    tokens, pos, mask, _ = batch()
+    model = tiny_gpt()
+    with moe_replay.record_routes(model) as rec:
+        model(tokens, pos, mask)
+    routes = rec.routes
+    with moe_replay.replay_routes(model, routes, track_live=True) as ctx:
+        model(tokens, pos, mask)
+    moved, compared = ctx.live_moved()
+    assert moved.tolist() == [0] * LAYERS and compared.tolist() == [tokens.numel()] * LAYERS
+    perturb_routers(model)
+    with moe_replay.record_routes(model) as live:
+        model(tokens, pos, mask)
+    expected = moved_slots(routes, live.routes, 0)
+    assert expected > 0  # (the perturbation moves some of layer 0's experts)
+    with moe_replay.replay_routes(model, routes, track_live=True) as ctx:
+        model(tokens, pos, mask).sum().backward()
+    moved, compared = ctx.live_moved()
+    assert int(moved[0]) == expected and int(moved[1]) > 0 and compared.tolist() == [tokens.numel()] * LAYERS
+
+    recompute = tiny_gpt(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    perturb_routers(recompute)
+    with moe_replay.replay_routes(recompute, routes, track_live=True) as ctx:
+        recompute(tokens, pos, mask).sum().backward()  # each router also runs in the backward: not counted
+    assert [t.tolist() for t in ctx.live_moved()] == [moved.tolist(), compared.tolist()]
+
+    part = Routes(routes.indices, routes.mask.clone(), routes.layers)
+    part.mask[0] = False  # sequence 0 routes live: its tokens are not compared
+    with moe_replay.replay_routes(model, part, track_live=True) as ctx:
+        model(tokens, pos, mask)
+    assert ctx.live_moved()[1].tolist() == [tokens.numel() - tokens.shape[1]] * LAYERS
+    with pytest.raises(ValueError, match="needs replay_routes\\(model, routes, track_live=True\\)"):
+        with moe_replay.replay_routes(model, routes) as ctx:
+            model(tokens, pos, mask)
+        ctx.live_moved()

@@ -70,6 +70,13 @@ def test_pipeline_stages_record_gather_and_replay_like_one_process(reference, pi
             for name, grad in got["grads"].items():
                 torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-7, msg=f"rank {rank}: {name}")
             assert any(name.endswith("mlp.router.weight") and g.abs().sum() > 0 for name, g in got["grads"].items())
+            # track_live: each stage compares its own layers' calls only, recomputes not counted
+            moved, compared = got["live_counts"]
+            own = [[0, 1, 3].index(i) for i in STAGE_LAYERS[vpp][rank]]  # its columns of the whole model's routes
+            assert compared == [got["tokens"] if c in own else 0 for c in range(3)], f"rank {rank}"
+            assert all(moved[c] == 0 for c in range(3) if c not in own)
+            if rank == 0:  # the first MoE layer sees the same input live and replayed: exactly the live difference
+                assert moved[0] == got["moved_first"]
         last = seen[1]
         assert any(got["live_moved"] for got in seen), "perturbing the routers moved no expert: replay untested"
         for mb in range(n):
