@@ -31,17 +31,8 @@ CONFIG_KWARGS = ("model_type", "attn_implementation", "output_attentions")
 SET_BY_RUN = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "output_router_logits")
 # policy config fields that count something: a transformers config takes 0 or -1 and the model fails later, or is empty
 POLICY_COUNTS = (
-    "num_hidden_layers",
-    "hidden_size",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "num_experts",
-    "num_local_experts",
-    "n_routed_experts",
-    "num_experts_per_tok",
+    *("num_hidden_layers", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads"),
+    *("num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok"),
 )
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # a family's name for its experts
 MAX_SEED = 2**62  # torch.manual_seed takes 64-bit seeds, and the loop adds offsets to them
