@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Sequence
-from numbers import Integral, Real
+from numbers import Real
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch
 
 from .routes import LayerInfo, Routes, check_layers, index_dtype
 from .routes_check import check_ids
+from .routes_index import is_integer_scalar
 
 DECODER_INDEX = re.compile(r"(?:^|\.)(?<!mtp\.)layers\.(\d+)\.")  # (not a multi-token-prediction layer's)
 
@@ -182,13 +183,13 @@ def routes_from_rows(
         raise ValueError(f"rows disagree on their number of layer columns: {sorted(shapes)}")
     C = next(iter(shapes)) if shapes else len(layers)
     cols = list(columns) if columns is not None else engine_columns(layers, C)
-    if any(isinstance(c, bool) or not isinstance(c, Integral) for c in cols):
+    if not all(map(is_integer_scalar, cols)):
         raise ValueError(f"columns must be whole numbers (engine column indices), got {cols}")
     if len(cols) != len(layers):
         raise ValueError(f"{len(cols)} columns given for {len(layers)} layers")
     if any(not 0 <= c < C for c in cols):
         raise ValueError(f"columns {cols} name columns outside the rows' {C} layer columns (0..{C - 1})")
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, Integral) or seq_len < 0):
+    if seq_len is not None and (not is_integer_scalar(seq_len) or seq_len < 0):
         raise ValueError(f"seq_len must be a whole number >= 0, got {seq_len!r}")
     ends = [p + t.shape[0] for p, t in zip(pads, tensors, strict=True)]
     T = max(ends, default=0) if seq_len is None else int(seq_len)

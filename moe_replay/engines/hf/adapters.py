@@ -90,15 +90,16 @@ def copy_of(name: str, wrappers: Mapping[str, nn.Module]) -> tuple[str, bool] | 
     return ".".join(p for i, p in enumerate(parts) if i not in dropped), runs
 
 
-def idle_copies(modules: Mapping[str, nn.Module], classes: tuple[type, ...]) -> tuple[tuple[str, nn.Module], ...]:
-    """The routers (instances of `classes`) in PEFT copies that do not run now, with their layer names: a context
-    refuses their forward, which means adapters were switched or disabled inside it.
+def idle_copies(
+    modules: Mapping[str, nn.Module], wrappers: Mapping[str, nn.Module], classes: tuple[type, ...]
+) -> tuple[tuple[str, nn.Module], ...]:
+    """The routers (instances of `classes`) in the copies of `wrappers` (`saved_copies(modules)`) that do not run now,
+    with their layer names: a context refuses their forward, which means adapters were switched or disabled inside it.
 
     Example:
-        >>> idle_copies(dict(peft_model.named_modules()), (Qwen3MoeTopKRouter,))  # doctest: +SKIP
+        >>> idle_copies(modules, saved_copies(modules), (Qwen3MoeTopKRouter,))  # doctest: +SKIP
         (('base_model.model.model.layers.0.mlp.gate', Qwen3MoeTopKRouter(...)), ...)
     """
-    wrappers = saved_copies(modules)
     if not wrappers:
         return ()
     found = []

@@ -59,8 +59,9 @@ def model_layout(model: nn.Module) -> Layout:
     sites = tuple(find_routers(model, modules))
     tracked = _tracked(model, sites, modules)
     parents = tuple(m for m in modules.values() if m._modules)  # (the model first: it holds the routers)
-    copies = tuple((w, running_copy(w)) for w in saved_copies(modules).values())
-    idle = idle_copies(modules, tuple({type(s.router) for s in sites})) if copies else ()
+    wrappers = saved_copies(modules)
+    copies = tuple((w, running_copy(w)) for w in wrappers.values())
+    idle = idle_copies(modules, wrappers, tuple({type(s.router) for s in sites}))
     stamp = (parents, tuple(dict(m._modules) for m in parents))
     layout = Layout(sites, (model, *(m for _, m in tracked)), stamp, copies, idle)
     model.__dict__[ATTR] = layout

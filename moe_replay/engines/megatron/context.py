@@ -161,15 +161,18 @@ class RouterReplayContext:
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):  # noqa: ANN001, ANN202
             site.used = True
             probs, idx = original(scores, topk, num_groups, group_topk, default_compute_topk)
-            mask = site.mask
+            mask, live_idx = site.mask, None
             if mask is not None:  # unrecorded positions route live
                 live_probs, live_idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
                 keep = mask.to(idx.device)[:, None]
                 probs, idx = torch.where(keep, probs, live_probs), torch.where(keep, idx, live_idx)
             if site.track:  # the live pick beside the replayed one (track_live): no gradient, no host sync
-                with torch.no_grad():
-                    _, live = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
-                self._compare(site, live, idx)
+                if live_idx is None:
+                    with torch.no_grad():
+                        _, live_idx = default_compute_topk(
+                            scores.detach(), topk, num_groups=num_groups, group_topk=group_topk
+                        )
+                self._compare(site, live_idx, idx)
             return probs, idx
 
         return get_replay_topk

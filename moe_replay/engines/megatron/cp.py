@@ -11,11 +11,11 @@ Shape legend: B sequences, T positions, L layers, K experts per token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from numbers import Integral
 
 import torch
 
 from ...routes import Routes
+from ...routes_index import is_integer_scalar
 
 
 def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -40,10 +40,9 @@ def check_cp(cp_size: int, cp_rank: int | None = None) -> None:
     Example:
         >>> check_cp(2, 1)
     """
-    whole = [isinstance(v, Integral) and not isinstance(v, bool) for v in (cp_size, 0 if cp_rank is None else cp_rank)]
-    if not whole[0] or cp_size < 1:
+    if not is_integer_scalar(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size must be a whole number >= 1, got {cp_size!r}")
-    if cp_rank is not None and (not whole[1] or not 0 <= cp_rank < cp_size):
+    if cp_rank is not None and (not is_integer_scalar(cp_rank) or not 0 <= cp_rank < cp_size):
         raise ValueError(f"cp_rank={cp_rank!r} must be in [0, cp_size={cp_size}), a whole number")
 
 
@@ -101,7 +100,7 @@ def routes_from_cp(parts: Sequence[Routes], seq_len: int | None = None) -> Route
         idx = cp_positions(T, cp_size, r).to(first.device)
         indices[:, idx], mask[:, idx] = p.indices, p.mask
     if seq_len is not None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, Integral) or seq_len < 0:
+        if not is_integer_scalar(seq_len) or seq_len < 0:
             raise ValueError(f"seq_len must be a whole number >= 0, got {seq_len!r}")
         if seq_len > T or mask[:, seq_len:].any():
             raise ValueError(f"cannot cut routes of T={T} to seq_len={seq_len}: recorded positions lie beyond it")

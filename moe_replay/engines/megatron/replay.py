@@ -148,11 +148,11 @@ class MegatronRouteReplayer(RouterReplayContext):
         moved = used.shape[-1] - kept
         if site.mask is not None:  # (positions routed live are not compared)
             mask = site.mask.to(moved.device)
-            moved, compared = moved[mask], mask.sum()
+            moved, compared = moved[mask], mask.sum().to(self._compared.device)
         else:
-            compared = torch.tensor(moved.numel(), device=moved.device)
+            compared = moved.numel()
         self._moved[site.column] += moved.sum().to(self._moved.device)
-        self._compared[site.column] += compared.to(self._compared.device)
+        self._compared[site.column] += compared
 
     def live_moved(self) -> tuple[torch.Tensor, torch.Tensor]:
         """With `track_live=True`: per layer column of the routes, the replayed expert slots whose live pick differed

@@ -8,11 +8,11 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from numbers import Integral
 
 import torch
 
 from ...routes import LayerInfo, Routes
+from ...routes_index import is_integer_scalar
 
 
 def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequence[LayerInfo]) -> Routes:
@@ -35,7 +35,7 @@ def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequen
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise ValueError(f"all layers must have the same [S*B, K] rows, got shapes {sorted(shapes)}")
     n, k = next(iter(shapes))
-    if isinstance(batch_size, bool) or not isinstance(batch_size, Integral) or batch_size < 1 or n % batch_size:
+    if not is_integer_scalar(batch_size) or batch_size < 1 or n % batch_size:
         raise ValueError(f"{n} rows do not split into batch_size={batch_size!r} sequences")
     # [B, S, K] per layer, stacked in the rows' own dtype (torch reads its wider unsigned dtypes for few ops:
     # widened): `Routes` range-checks the ids as given before it narrows them to its index dtype
