@@ -13,12 +13,14 @@ from .engines import record_routes, replay_routes
 from .engines.hf import find_routers
 from .errors import ReplayError, RoutesFileError, UnsupportedGenerationError, UnsupportedModelError
 from .routes import LayerInfo, Routes
+from .routes_packed import Packed, pack_routes, unpack_routes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ExpertChange",
     "LayerInfo",
+    "Packed",
     "ReplayError",
     "Routes",
     "RoutesFileError",
@@ -29,7 +31,9 @@ __all__ = [
     "find_routers",
     "measure_mismatch",
     "measure_update_drift",
+    "pack_routes",
     "record_routes",
     "replay_routes",
     "teacher_forced_routes",
+    "unpack_routes",
 ]

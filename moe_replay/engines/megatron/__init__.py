@@ -11,7 +11,7 @@ Example:
 """
 
 from .context import is_megatron_model
-from .cp import cp_positions, routes_from_cp, routes_to_cp
+from .cp import CPRoutes, cp_positions, routes_from_cp, routes_to_cp, thd_cp_positions
 from .pipeline import gather_pipeline_routes
 from .record import MegatronRouteRecorder, record_routes
 from .replay import MegatronRouteReplayer, replay_routes
@@ -19,6 +19,7 @@ from .routers import INSTALL_HINT, find_routers
 from .rows import routes_to_rows, rows_to_routes
 
 __all__ = [
+    "CPRoutes",
     "INSTALL_HINT",
     "MegatronRouteRecorder",
     "MegatronRouteReplayer",
@@ -32,4 +33,5 @@ __all__ = [
     "routes_to_cp",
     "routes_to_rows",
     "rows_to_routes",
+    "thd_cp_positions",
 ]

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ...errors import NestedContextError, ReplayError
+from .cp import cp_place
 from .routers import Site, find_routers, megatron_api
 
 _ACTIVE = "_moe_replay_megatron_context"
@@ -66,6 +67,8 @@ class RouterReplayContext:
         self._handles: list[Any] = []
         n = len(chunks)
         self._grad_forward, self._in_forward, self._forwards = [False] * n, [False] * n, [0] * n
+        self._layout: list[tuple[int, ...] | None] = [None] * n  # per chunk under CP: the forward's packed rows
+        self._cp = (1, 0)  # (CP size, this rank's CP rank)
         self._active = False
 
     def __enter__(self) -> RouterReplayContext:
@@ -79,9 +82,11 @@ class RouterReplayContext:
                 f"routers {busy} are already in an open moe-replay context; megatron-core's RouterReplay holds one "
                 "action per router, so contexts on one Megatron model (or a wrapper and the model) cannot nest"
             )
+        self._cp = cp_place(sites[0].router)
         self._prepare(sites)
         n = len(self.chunks)
         self._grad_forward, self._in_forward, self._forwards = [False] * n, [False] * n, [0] * n
+        self._layout = [None] * n
         self.sites = sites
         try:
             for site in sites:
@@ -98,7 +103,7 @@ class RouterReplayContext:
                 self._handles.append(site.router.register_forward_pre_hook(self._router_pre_hook(site)))
                 self._handles.append(site.router.register_forward_hook(self._router_post_hook(site)))
             for chunk, module in enumerate(self.chunks):
-                self._handles.append(module.register_forward_pre_hook(self._model_pre_hook(chunk)))
+                self._handles.append(module.register_forward_pre_hook(self._model_pre_hook(chunk), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._model_post_hook(chunk)))
         except BaseException:
             self._close()
@@ -133,10 +138,12 @@ class RouterReplayContext:
         return " + ".join(type(m).__name__ for m in self.chunks)
 
     def _model_pre_hook(self, chunk: int) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             self._forwards[chunk] += 1
             self._grad_forward[chunk] = torch.is_grad_enabled()
             self._in_forward[chunk] = True
+            if self._cp[0] > 1:  # which CP layout this forward's batch was split in
+                self._layout[chunk] = packed_layout((*args, *kwargs.values()))
             self._forward_starts(chunk)
 
         return hook
@@ -196,6 +203,22 @@ class RouterReplayContext:
     def _forward_starts(self, chunk: int) -> None: ...
     def _forward_ends(self, chunk: int) -> None: ...
     def _finish(self) -> None: ...
+
+
+def packed_layout(inputs: Sequence[Any]) -> tuple[int, ...] | None:
+    """The padded document boundaries of the packed (THD) batch among a forward's inputs (its `PackedSeqParams`), by
+    which megatron-core splits the row per document under CP; None for a batch of whole sequences.
+
+    Example:
+        >>> packed_layout([tokens, position_ids, None])  # doctest: +SKIP
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    params = next((x for x in inputs if isinstance(x, PackedSeqParams)), None)
+    if params is None or params.qkv_format != "thd":
+        return None
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return tuple(int(x) for x in cu.reshape(-1).tolist())
 
 
 def tp_split(site: Site) -> tuple[Any, int, int]:

@@ -1,6 +1,7 @@
 """`record_routes` on megatron-core models: every router runs its own top-k under RECORD; after each forward the rows
 become one `Routes` batch [B, T, L, K]. With sequence parallelism each tensor-parallel rank routes a slice of the
-sequence; the slices are gathered so every rank holds the whole batch.
+sequence; the slices are gathered so every rank holds the whole batch. Under context parallelism each rank records
+its own part of the sequence, as a `CPRoutes` that knows its place (`routes_from_cp` joins the ranks' parts).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ...errors import ReplayError
 from ...routes import Routes, index_dtype
 from ..autograd import in_backward
 from .context import RouterReplayContext, Site, tp_split
+from .cp import CPRoutes
 
 
 class MegatronRouteRecorder(RouterReplayContext):
@@ -22,6 +24,7 @@ class MegatronRouteRecorder(RouterReplayContext):
 
     def _prepare(self, sites: list[Site]) -> None:
         self._done: list[list[dict[str, torch.Tensor]]] = [[] for _ in self.chunks]  # per chunk, per forward
+        self._layouts: list[list[tuple[int, ...] | None]] = [[] for _ in self.chunks]  # under CP: each forward's
         self._current: list[dict[str, torch.Tensor]] = [{} for _ in self.chunks]
 
     def _router_pre_hook(self, site: Site) -> Any:
@@ -65,6 +68,7 @@ class MegatronRouteRecorder(RouterReplayContext):
         if missing:
             raise ReplayError(f"routers {missing} did not run in this forward; recorded only {list(current)}")
         self._done[chunk].append(current)
+        self._layouts[chunk].append(self._layout[chunk])
 
     @property
     def batches(self) -> list[Routes]:
@@ -79,16 +83,29 @@ class MegatronRouteRecorder(RouterReplayContext):
         for n in range(counts[0] if counts else 0):
             indices = torch.stack([self._done[s.chunk][n][s.name] for s in self.sites], dim=2).to(dtype)
             mask = torch.ones(indices.shape[:2], dtype=torch.bool, device=indices.device)
-            out.append(Routes._trusted(indices, mask, layers))
+            routes = Routes._trusted(indices, mask, layers)
+            if self._cp[0] > 1:  # this rank's part of the sequence, in the layout its batch was split in
+                routes = CPRoutes.placed(routes, *self._cp, self._layouts[self.sites[0].chunk][n])
+            out.append(routes)
         return out
 
     @property
     def routes(self) -> Routes:
-        """Everything recorded, as one `Routes` [B, T, L, K] (several forwards are concatenated along B)."""
+        """Everything recorded, as one `Routes` [B, T, L, K] (several forwards are concatenated along B; under
+        context parallelism, only forwards of whole sequences, which keep the per-sequence layout)."""
         batches = self.batches
         if not batches:
             raise ValueError("nothing was recorded: run a forward inside `with record_routes(model)`")
-        return batches[0] if len(batches) == 1 else Routes.cat(batches)
+        if len(batches) == 1:
+            return batches[0]
+        if self._cp[0] > 1:
+            if any(b.cu_seqlens_padded is not None or b.seq_len != batches[0].seq_len for b in batches):
+                raise ValueError(
+                    "under context parallelism only forwards of whole sequences of one length join into one part: "
+                    "use `rec.batches` (one part per forward)"
+                )
+            return CPRoutes.placed(Routes.cat(batches), *self._cp)
+        return Routes.cat(batches)
 
 
 def record_routes(model: nn.Module | Sequence[nn.Module]) -> MegatronRouteRecorder:
@@ -98,6 +115,8 @@ def record_routes(model: nn.Module | Sequence[nn.Module]) -> MegatronRouteRecord
     layers are named by module path. Recomputes under activation recompute are not recorded twice. Under pipeline
     parallelism pass a stage's model (or its list of virtual-pipeline chunks): the routes hold that stage's layers,
     named by their global layer number, one `Routes` per micro-batch; `gather_pipeline_routes` joins the stages.
+    Under context parallelism each rank records its part of the sequence as a `CPRoutes` (per sequence, or per
+    document for a packed batch given `PackedSeqParams`); `routes_from_cp` joins the ranks' parts.
 
     Example:
         >>> with record_routes(gpt_model) as rec:  # doctest: +SKIP

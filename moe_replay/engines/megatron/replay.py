@@ -3,7 +3,8 @@
 Activation recompute runs the first forward of a checkpointed block without grad inside a forward with grad; those
 calls queue their rows with a fingerprint of the router input, and when the backward re-runs them they switch to
 REPLAY_BACKWARD and take the rows of the forward whose input the recompute reproduces, in any backward order.
-Positions the routes mark as not recorded (padding) route live.
+Positions the routes mark as not recorded (padding) route live. Under context parallelism each rank replays its own
+part of the routes (`routes_to_cp`), checked against the rank and against the layout its batch was split in.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ...routes import Routes
 from ..autograd import checkpoint_chain, freed, in_backward, recomputing, within
 from ..fingerprint import FINGERPRINT, fingerprint, matches
 from .context import RouterReplayContext, Site, tp_split
+from .cp import CPRoutes
 from .pipeline import stage_columns
 from .routers import is_mtp, pipelined
 from .rows import routes_to_rows
@@ -54,6 +56,7 @@ class MegatronRouteReplayer(RouterReplayContext):
         self._complete: list[bool] = []  # per Routes: every position recorded
         self._columns: list[dict[str, int]] = []  # per Routes: router name -> its layer column
         given = self.routes if self.per_forward else [self.routes]
+        self._layouts = [self._check_place(r, n) for n, r in enumerate(given)]
         # multi-token-prediction routers route live when the routes hold no such layer (a rollout engine's): they
         # act after the main head, so the policy's log-probs do not depend on them
         covers = {any(is_mtp(layer.name) for layer in r.layers) for r in given}
@@ -74,6 +77,37 @@ class MegatronRouteReplayer(RouterReplayContext):
             self._masks.append(r.mask.transpose(0, 1))
             self._complete.append(bool(r.mask.all()))  # once here, not a device sync per router call
         self._consumed = False
+
+    def _check_place(self, routes: Routes, n: int) -> tuple[int, ...] | None:
+        """Under context parallelism the routes must be this rank's part; its layout (None: per sequence)."""
+        size, rank = self._cp
+        which = f" (forward {n + 1})" if self.per_forward else ""
+        placed = isinstance(routes, CPRoutes)
+        if size > 1 and not placed:
+            raise ReplayError(
+                f"the model runs context parallel (this is CP rank {rank} of {size}) but the routes{which} are not a "
+                f"CP part: pass routes_to_cp(routes, cp_size={size}, cp_rank={rank}) (with cu_seqlens_padded= for a "
+                "packed batch), as megatron-core's get_batch_on_this_cp_rank splits the batch"
+            )
+        if placed and (routes.cp_size, routes.cp_rank) != (size, rank):
+            raise ReplayError(f"the routes{which} are {routes.where()} but this is CP rank {rank} of {size}")
+        return routes.cu_seqlens_padded if placed else None
+
+    def _forward_starts(self, chunk: int) -> None:
+        if self._cp[0] == 1:
+            return
+        n = self._forwards[chunk] - 1 if self.per_forward else 0
+        if n < len(self._layouts) and self._layout[chunk] != self._layouts[n]:
+
+            def words(cu: tuple[int, ...] | None) -> str:
+                return (
+                    "whole sequences (per-sequence layout)" if cu is None else f"a packed row of documents {list(cu)}"
+                )
+
+            raise ReplayError(
+                f"forward {n + 1} got {words(self._layout[chunk])} but its routes were split for "
+                f"{words(self._layouts[n])}: split them with routes_to_cp as the batch was split"
+            )
 
     def _call_rows(self, site: Site, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This call's rows [S_local * B, K] and mask [S_local * B] (None: all recorded), checked against the

@@ -164,9 +164,9 @@ def refusal(module: nn.Module, name: str) -> str | None:
         "CUDA graphs (a captured router skips the replay hooks)": getattr(config, "cuda_graph_impl", "none")
         not in ("none", None)
         or getattr(config, "enable_cuda_graph", False),
-        "context parallelism (untested end to end: megatron-core's local attention asserts CP == 1 and Transformer "
-        "Engine needs CUDA; the layout mapping is ready in moe_replay.engines.megatron.routes_to_cp / "
-        "routes_from_cp)": getattr(config, "context_parallel_size", 1) > 1,
+        "hybrid_context_parallel=True (each micro-batch picks its own CP groups)": getattr(
+            config, "hybrid_context_parallel", False
+        ),
         "moe_router_force_load_balancing=True (random logits for benchmarks)": getattr(
             config, "moe_router_force_load_balancing", False
         ),
@@ -197,7 +197,7 @@ def find_routers(model: nn.Module | Sequence[nn.Module]) -> list[Site]:
     Raises ValueError for a model without routers, routers built without `moe_enable_routing_replay`, and the
     configurations in which megatron-core would skip replay silently (fused routing, sinkhorn, quantile balancing, CUDA
     graphs), route at random (forced load balancing or bias), run a router several times (a repeated MTP layer) or
-    split the sequence in another layout (context parallelism).
+    split the sequence in groups that change per micro-batch (hybrid context parallelism).
 
     Example:
         >>> [site.name for site in find_routers(gpt_model)]  # doctest: +SKIP

@@ -105,6 +105,7 @@ def megatron_cpu(
     pp: int = 1,
     vpp: int | None = None,
     etp: int | None = None,
+    cp: int = 1,
 ) -> Iterator[None]:
     """Apply the CPU shims, start a gloo process group and megatron's parallel state (`etp`: expert tensor parallel
     size, default `tp`); undo all of it on exit. Pipeline models also need `batch_p2p_comm=False` in their config (the
@@ -142,6 +143,7 @@ def megatron_cpu(
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp,
             expert_tensor_parallel_size=etp,
+            context_parallel_size=cp,
         )
         yield
     finally:
@@ -165,10 +167,14 @@ class TokenLayerNorm(torch.nn.LayerNorm):
         super().__init__(hidden_size, eps=eps)
 
 
-def tiny_gpt(seed: int = 0, model_kwargs: dict[str, Any] | None = None, **overrides: Any) -> torch.nn.Module:
+def tiny_gpt(
+    seed: int = 0, model_kwargs: dict[str, Any] | None = None, attention: bool = True, **overrides: Any
+) -> torch.nn.Module:
     """A 2-layer GPTModel, hidden 64, 4 experts, top-2, routing replay on, weights set from `seed` by parameter
     name so that models split over ranks hold the same weights as one unsplit model. `overrides` go to the
-    TransformerConfig, `model_kwargs` to GPTModel (a pipeline stage's `pre_process`, `post_process`, `vp_stage`)."""
+    TransformerConfig, `model_kwargs` to GPTModel (a pipeline stage's `pre_process`, `post_process`, `vp_stage`).
+    `attention=False` leaves attention out of every layer and embeds positions (learned, absolute): a GPT whose tokens
+    do not interact, which runs under context parallelism and with packed sequences without Transformer Engine."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -192,6 +198,12 @@ def tiny_gpt(seed: int = 0, model_kwargs: dict[str, Any] | None = None, **overri
     fields.update(overrides)
     config = TransformerConfig(**fields)
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False)
+    if not attention:
+        from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+
+        spec.submodules.input_layernorm = spec.submodules.self_attention = IdentityOp
+        spec.submodules.self_attn_bda = IdentityFuncOp
+        model_kwargs = {"position_embedding_type": "learned_absolute", **(model_kwargs or {})}
     if "moe_layer_freq" in overrides or config.pipeline_model_parallel_size > 1:  # this stage's layers, per pattern
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

@@ -1,21 +1,17 @@
-"""Megatron's context-parallel layout against `Routes`: a reference permutation written the way megatron-core's
-`get_batch_on_this_cp_rank` splits a batch (view as 2·CP chunks, index_select chunks r and 2·CP − 1 − r), round
-trips for CP = 2 and 4, odd and even lengths, padding masks."""
+"""Megatron's context-parallel layouts against `Routes`: reference splits written the way megatron-core's
+`get_batch_on_this_cp_rank` splits a batch (view as 2·CP chunks, index_select chunks r and 2·CP − 1 − r) and as it
+documents the per-document split of a packed row (the same per document), round trips for CP = 1, 2 and 4, odd and
+even lengths, padding masks; a part's place (`CPRoutes`) and the errors for parts of the wrong place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from cp_worker import reference_cp_split as reference_split
+from cp_worker import reference_thd_split
 
 from moe_replay import LayerInfo, Routes
-from moe_replay.engines.megatron.cp import cp_positions, padded_len, routes_from_cp, routes_to_cp
-
-
-def reference_split(x: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """megatron-core's split of a [B, T, ...] tensor for one CP rank (T a multiple of 2·CP)."""
-    chunks = x.view(x.shape[0], 2 * cp_size, x.shape[1] // (2 * cp_size), *x.shape[2:])
-    picked = chunks.index_select(1, torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1]))
-    return picked.reshape(x.shape[0], -1, *x.shape[2:])
+from moe_replay.engines.megatron.cp import CPRoutes, cp_positions, padded_len, routes_from_cp, routes_to_cp
 
 
 def routes(B: int, T: int, seed: int) -> Routes:
@@ -54,3 +50,57 @@ def test_cp_errors_name_both_sides():
         routes_from_cp([a, b])
     with pytest.raises(ValueError, match="recorded positions lie beyond it"):
         routes_from_cp([routes_to_cp(r, 2, k) for k in range(2)], seq_len=5)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("lengths", [(8,), (8, 16, 8), (24, 8)])
+def test_thd_parts_match_the_documented_per_document_split_and_round_trip(cp_size, lengths):
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]  # (every document a multiple of 2 x CP = 8)
+    r = routes(1, cu[-1], seed=len(lengths) * cp_size)
+    parts = [routes_to_cp(r, cp_size, rank, cu_seqlens_padded=cu) for rank in range(cp_size)]
+    for rank, part in enumerate(parts):
+        assert torch.equal(part.indices, reference_thd_split(r.indices, cu, cp_size, rank))
+        assert torch.equal(part.mask, reference_thd_split(r.mask, cu, cp_size, rank))
+        assert part.where() == f"CP rank {rank} of {cp_size} (per-document, cu_seqlens_padded {cu} layout)"
+    assert routes_from_cp(parts).equal(r)
+    plain = [Routes(p.indices, p.mask, p.layers) for p in parts]  # parts read back from files: the layout is given
+    assert routes_from_cp(plain, cu_seqlens_padded=torch.tensor(cu)).equal(r)
+
+
+def test_a_part_keeps_its_place_when_moved_or_minibatched_and_loses_it_otherwise():
+    r = routes(3, 8, 0)
+    part = routes_to_cp(r, 2, 1)
+    for kept in (part.to("cpu"), part[1:], part[0]):
+        assert isinstance(kept, CPRoutes) and (kept.cp_size, kept.cp_rank, kept.cu_seqlens_padded) == (2, 1, None)
+    for lost in (part.pad_to(6), Routes.cat([part, part])):
+        assert type(lost) is Routes
+    assert "CP rank 1 of 2 (per-sequence layout)" in repr(part)
+
+
+def test_thd_and_place_errors_name_both_sides():
+    r = routes(1, 16, 0)
+    with pytest.raises(
+        ValueError, match="document 1 of cu_seqlens_padded \\[0, 8, 14, 16\\] is 6 long, not a multiple"
+    ):
+        routes_to_cp(r, 2, 0, cu_seqlens_padded=[0, 8, 14, 16])
+    with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 8 positions, but the routes are B=1, T=16"):
+        routes_to_cp(r, 2, 0, cu_seqlens_padded=[0, 8])
+    with pytest.raises(ValueError, match="one packed row .* but the routes are B=2"):
+        routes_to_cp(routes(2, 8, 0), 2, 0, cu_seqlens_padded=[0, 8])
+    with pytest.raises(ValueError, match="must start at 0 and never decrease, got \\[0, 8, 4\\]"):
+        routes_to_cp(r, 2, 0, cu_seqlens_padded=[0, 8, 4])
+    parts = [routes_to_cp(r, 2, k) for k in range(2)]
+    with pytest.raises(ValueError, match="already a part \\(CP rank 0 of 2"):
+        routes_to_cp(parts[0], 2, 0)
+    with pytest.raises(ValueError, match="part 0 of 2 is CP rank 1 of 2 .* in rank order"):
+        routes_from_cp(parts[::-1])
+    with pytest.raises(ValueError, match="some know their place and some do not"):
+        routes_from_cp([parts[0], Routes(parts[1].indices, parts[1].mask, parts[1].layers)])
+    with pytest.raises(ValueError, match="part 0 is CP rank 0 of 2 \\(per-sequence layout\\) but cu_seqlens_padded"):
+        routes_from_cp(parts, cu_seqlens_padded=[0, 16])
+    thd = [routes_to_cp(r, 2, k, cu_seqlens_padded=[0, 8, 16]) for k in range(2)]
+    with pytest.raises(ValueError, match="different layouts"):
+        routes_from_cp([thd[0], parts[1]])
+    plain = [Routes(p.indices, p.mask, p.layers) for p in parts]
+    with pytest.raises(ValueError, match="2 parts of T=8 make 16 positions but cu_seqlens_padded ends at 12"):
+        routes_from_cp(plain, cu_seqlens_padded=[0, 12])

@@ -348,8 +348,8 @@ def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match="moe_router_fusion"):
         replay_routes(fused, Routes.__new__(Routes)).__enter__()
     model = tiny_gpt()
-    routers(model)[0].config.context_parallel_size = 2
-    with pytest.raises(ValueError, match="context parallelism .* layout mapping is ready"):
+    routers(model)[0].config.hybrid_context_parallel = True
+    with pytest.raises(ValueError, match="hybrid_context_parallel=True"):
         record_routes(model).__enter__()
     model = tiny_gpt()  # under pipeline parallelism a router outside the decoder's MoE layers (e.g. MTP) has no column
     routers(model)[0].config.pipeline_model_parallel_size = 2

@@ -1,0 +1,63 @@
+"""Packed (THD) sequences on megatron-core at CP = 1: the tests' attention-free GPT (tokens do not interact, learned
+absolute positions restart per document) run on two right-padded sequences and on the same tokens packed in one row
+with PackedSeqParams routes every token to the same experts; `pack_routes` of the batch's routes replayed on the
+packed row forces them (perturbed routers), giving the batch's per-token losses and router gradients. True THD
+attention (Transformer Engine) is in scripts/megatron_cp_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
+
+from cp_worker import packed_batch, packed_params, sequence_batch  # noqa: E402
+from helpers import free_port  # noqa: E402
+from megatron_utils import megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
+
+from moe_replay import Routes, pack_routes, unpack_routes  # noqa: E402
+from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
+
+
+def router_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("router.weight")}
+
+
+def test_packed_row_routes_and_replays_as_the_batch():
+    seq = sequence_batch()
+    packed, keep, cu, cu_padded = packed_batch()
+    params = packed_params(cu, cu_padded)
+    with megatron_cpu(port=free_port()):
+        model = tiny_gpt(attention=False)
+        with record_routes(model) as rec:
+            model(seq["tokens"], seq["position_ids"], None)
+        recorded = rec.routes
+        batch_routes = Routes(recorded.indices, recorded.mask & keep.bool(), recorded.layers)  # tokens only
+        with record_routes(model) as rec:
+            model(packed["tokens"], packed["position_ids"], None, packed_seq_params=params)
+        on_row = rec.routes
+        # every token is routed as in the batch: packing the batch's routes gives the row's, token for token
+        mine = pack_routes(batch_routes, keep, multiple=4)
+        assert torch.equal(mine.cu_seqlens, cu) and torch.equal(mine.cu_seqlens_padded, cu_padded)
+        tokens = mine.routes.mask[0]
+        assert int(tokens.sum()) == int(keep.sum())
+        assert torch.equal(on_row.indices[0, tokens], mine.routes.indices[0, tokens])
+        assert unpack_routes(on_row, cu, keep, cu_seqlens_padded=cu_padded).equal(batch_routes)
+
+        perturb_routers(model)
+        with record_routes(model) as live:
+            model(packed["tokens"], packed["position_ids"], None, packed_seq_params=params)
+        assert not torch.equal(live.routes.indices[0, tokens], mine.routes.indices[0, tokens])
+        with replay_routes(model, batch_routes):
+            loss = model(seq["tokens"], seq["position_ids"], None, labels=seq["labels"])
+            (loss * keep).sum().backward()
+        expected, expected_grads = loss.detach()[keep.bool()], router_grads(model)
+        model.zero_grad()
+        with replay_routes(model, mine.routes):  # (the padding between documents routes live)
+            loss = model(
+                packed["tokens"], packed["position_ids"], None, labels=packed["labels"], packed_seq_params=params
+            )
+            (loss * tokens).sum().backward()
+        torch.testing.assert_close(loss.detach()[0, tokens], expected, rtol=1e-5, atol=1e-6)
+        for name, grad in router_grads(model).items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6)

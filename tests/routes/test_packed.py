@@ -1,0 +1,85 @@
+"""Packed (THD) routes: `pack_routes` / `unpack_routes` round trips for left and right padding and per-sequence
+padding multiples, the boundaries Megatron's PackedSeqParams take, and errors naming both sides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_replay import LayerInfo, Routes
+from moe_replay.routes_packed import pack_routes, unpack_routes
+
+LAYERS = [LayerInfo(f"decoder.layers.{i}.mlp.router", 8, 2) for i in range(3)]
+
+
+def batch(lengths: list[int], T: int, left: bool, seed: int = 0) -> tuple[Routes, torch.Tensor]:
+    """Routes [B, T] whose row i holds lengths[i] tokens (left or right padded), the last token of each unrecorded
+    (as a sampled answer's is), and the attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.rand(len(lengths), T, 3, 8, generator=g).argsort(-1)[..., :2]
+    pos = torch.arange(T)[None]
+    n = torch.tensor(lengths)[:, None]
+    keep = pos >= T - n if left else pos < n
+    mask = keep.clone()
+    last = torch.where(keep, pos, -1).max(1).values
+    mask[torch.arange(len(lengths)), last.clamp(min=0)] &= last < 0  # (empty rows have nothing to unmark)
+    return Routes(idx, mask, LAYERS), keep.long()
+
+
+@pytest.mark.parametrize("left", [False, True])
+@pytest.mark.parametrize("multiple", [1, 4])
+def test_pack_then_unpack_gives_the_batch_back(left, multiple):
+    routes, keep = batch([5, 8, 1, 0, 3], T=8, left=left)
+    packed = pack_routes(routes, keep, multiple=multiple)
+    lengths = keep.sum(1)
+    assert packed.cu_seqlens.tolist() == [0, *lengths.cumsum(0).tolist()]
+    padded = -(-lengths // multiple) * multiple
+    assert packed.cu_seqlens_padded.tolist() == [0, *padded.cumsum(0).tolist()]
+    assert packed.cu_seqlens.dtype == packed.cu_seqlens_padded.dtype == torch.int32
+    assert packed.routes.shape == (1, int(padded.sum()), 3, 2)
+    for i in range(routes.batch_size):  # sequence i's tokens, in order, from its padded start
+        start = int(packed.cu_seqlens_padded[i])
+        got = packed.routes.indices[0, start : start + int(lengths[i])]
+        assert torch.equal(got, routes.indices[i][keep[i].bool()])
+        assert torch.equal(packed.routes.mask[0, start : start + int(lengths[i])], routes.mask[i][keep[i].bool()])
+        assert not packed.routes.mask[0, start + int(lengths[i]) : int(packed.cu_seqlens_padded[i + 1])].any()
+    back = unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+    assert back.equal(routes)
+
+
+def test_unpack_drops_routes_recorded_in_the_padding_between_sequences():
+    routes, keep = batch([3, 2], T=4, left=False)
+    packed = pack_routes(routes, keep, multiple=4)
+    indices = packed.routes.indices.clone()
+    indices[~packed.routes.mask] = torch.tensor([0, 1], dtype=indices.dtype)  # valid ids where padding tokens ran
+    recorded_everywhere = Routes(indices, torch.ones_like(packed.routes.mask), LAYERS)
+    back = unpack_routes(recorded_everywhere, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+    assert torch.equal(back.mask, keep.bool())  # (a recording on the packed row routes its padding tokens too)
+
+
+def test_packing_errors_name_both_sides():
+    routes, keep = batch([3, 4], T=4, left=False)
+    with pytest.raises(ValueError, match="attention_mask is \\(2, 5\\) but the routes are B=2, T=4"):
+        pack_routes(routes, torch.ones(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="0/1 integers or bools, got torch.float32"):
+        pack_routes(routes, keep.float())
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        pack_routes(routes, keep * 2)
+    with pytest.raises(ValueError, match="multiple must be a whole number >= 1, got 0"):
+        pack_routes(routes, keep, multiple=0)
+    shifted = keep.roll(1, dims=1)
+    with pytest.raises(ValueError, match="sequence 0 has a route recorded at position 0, which its attention_mask"):
+        pack_routes(routes, shifted)
+    packed = pack_routes(routes, keep, multiple=4)
+    with pytest.raises(ValueError, match="sequence 0: cu_seqlens give 4 tokens but its attention_mask row keeps 3"):
+        unpack_routes(packed.routes, torch.tensor([0, 4, 7]), keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+    with pytest.raises(ValueError, match="cu_seqlens has 2 entries but 2 sequences need 3"):
+        unpack_routes(packed.routes, torch.tensor([0, 7]), keep)
+    with pytest.raises(ValueError, match="must start at 0 and never decrease, got \\[1, 4, 8\\]"):
+        unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([1, 4, 8]))
+    with pytest.raises(ValueError, match="do not hold the sequences' lengths \\[3, 4\\] within the packed row of N=8"):
+        unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([0, 4, 9]))
+    with pytest.raises(ValueError, match="1-D integer tensor, got torch.float32"):
+        unpack_routes(packed.routes, packed.cu_seqlens.float(), keep)
+    with pytest.raises(ValueError, match="packed Routes of one row \\(B=1\\), got B=2"):
+        unpack_routes(routes, packed.cu_seqlens, keep)
