@@ -20,6 +20,10 @@ from megatron_utils import batch, megatron_cpu, perturb_routers, tiny_gpt
 
 CP, LENGTHS, MULTIPLE = 2, (5, 7), 4
 AUX = {"moe_aux_loss_coeff": 0.01}  # the aux loss on, reduced over the CP group as megatron-core reduces it
+MODES = {  # mode: (ranks, megatron_cpu's sizes, TransformerConfig fields)
+    "cp2": (2, {}, {}),
+    "cp2_tp2": (4, {"tp": 2}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+}
 
 
 def reference_cp_split(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
@@ -100,9 +104,10 @@ def refused(model: torch.nn.Module, routes: Any, run: Any) -> str:
     return ""
 
 
-def cp_worker(rank: int, out_dir: str, port: int) -> None:
-    """On CP rank `rank`: record both batches, replay its own parts, replay the single-process routes (split for
-    this rank) with the routers perturbed, and try routes of the wrong place; save what it saw to out_dir."""
+def cp_worker(rank: int, mode: str, out_dir: str, port: int) -> None:
+    """On global rank `rank` (CP rank c): record both batches, replay its own parts, replay the single-process routes
+    (split for CP rank c) with the routers perturbed, and try routes of the wrong place; save what it saw to
+    out_dir/rank{rank}.pt."""
     from megatron.core import parallel_state
 
     from moe_replay import Routes
@@ -110,9 +115,10 @@ def cp_worker(rank: int, out_dir: str, port: int) -> None:
 
     torch.set_num_threads(1)
     out = Path(out_dir)
-    with megatron_cpu(rank=rank, world=CP, port=port, cp=CP):
-        assert parallel_state.get_context_parallel_rank() == rank
-        model = tiny_gpt(attention=False, context_parallel_size=CP, **AUX)
+    world, sizes, overrides = MODES[mode]
+    with megatron_cpu(rank=rank, world=world, port=port, cp=CP, **sizes):
+        rank = parallel_state.get_context_parallel_rank()  # (from here on: the CP rank)
+        model = tiny_gpt(attention=False, context_parallel_size=CP, **overrides, **AUX)
         local = cp_batch(sequence_batch())
         packed, _, cu, cu_padded = packed_batch()
         params = packed_params(cu, cu_padded)
@@ -160,4 +166,5 @@ def cp_worker(rank: int, out_dir: str, port: int) -> None:
             seen[f"{name}_grads"] = {
                 n: p.grad.clone() for n, p in model.named_parameters() if n.endswith("router.weight")
             }
-        torch.save(seen, out / f"rank{rank}.pt")
+        seen["cp_rank"] = rank
+        torch.save(seen, out / f"rank{torch.distributed.get_rank()}.pt")

@@ -212,7 +212,9 @@ def tiny_gpt(
     elif config.sequence_parallel:  # megatron's torch-norm wrapper refuses sequence parallelism (it wants TE or apex)
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TokenLayerNorm
+        spec.submodules.pre_mlp_layernorm = TokenLayerNorm
+        if attention:
+            spec.submodules.input_layernorm = TokenLayerNorm
         spec = TransformerBlockSubmodules(layer_specs=[spec] * config.num_layers, layer_norm=TokenLayerNorm)
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=64, **(model_kwargs or {})
