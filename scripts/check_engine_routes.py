@@ -6,6 +6,7 @@ a few percent is the expected engine/trainer mismatch; tens of percent means mis
 
     python scripts/check_engine_routes.py vllm Qwen/Qwen3-30B-A3B
     python scripts/check_engine_routes.py sglang Qwen/Qwen3-30B-A3B
+    python scripts/check_engine_routes.py vllm Qwen/Qwen3-30B-A3B --start 4   # routes from prompt position 4 on
 """
 
 from __future__ import annotations
@@ -15,20 +16,27 @@ import argparse
 import torch
 
 
-def sample_vllm(name: str, prompts: list[list[int]], new: int) -> tuple[list[list[int]], list[list[int]], object]:
+def sample_vllm(
+    name: str, prompts: list[list[int]], new: int, start: int
+) -> tuple[list[list[int]], list[list[int]], object]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(name, enable_return_routed_experts=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=new, temperature=1.0))
+    extra = {"routed_experts_prompt_start": start} if start else {}  # (vLLM >= 0.33)
+    params = SamplingParams(max_tokens=new, temperature=1.0, **extra)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs], outputs
 
 
-def sample_sglang(name: str, prompts: list[list[int]], new: int) -> tuple[list[list[int]], list[list[int]], object]:
+def sample_sglang(
+    name: str, prompts: list[list[int]], new: int, start: int
+) -> tuple[list[list[int]], list[list[int]], object]:
     import sglang
 
     engine = sglang.Engine(model_path=name, enable_return_routed_experts=True)
     params = {"max_new_tokens": new, "temperature": 1.0}
-    responses = engine.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
+    extra = {"routed_experts_start_len": start} if start else {}
+    responses = engine.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True, **extra)
     return prompts, [r["output_ids"] for r in responses], responses
 
 
@@ -37,6 +45,13 @@ def main() -> None:
     ap.add_argument("engine", choices=["vllm", "sglang"])
     ap.add_argument("model")
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument(
+        "--start",
+        type=int,
+        default=0,
+        help="ask for routes from this prompt position on (vLLM >= 0.33 "
+        "routed_experts_prompt_start, SGLang routed_experts_start_len); the positions before it are not compared",
+    )
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,7 +62,7 @@ def main() -> None:
     texts = ["The capital of France is", "def fibonacci(n):", "In 1905, Einstein", "Routing replay means"]
     prompts = [tok(t).input_ids for t in texts]
     sample = sample_vllm if args.engine == "vllm" else sample_sglang
-    prompt_ids, completion_ids, raw = sample(args.model, prompts, args.new)
+    prompt_ids, completion_ids, raw = sample(args.model, prompts, args.new, args.start)
 
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16, device_map="cuda")
     P = max(len(p) for p in prompt_ids)
@@ -62,11 +77,11 @@ def main() -> None:
     if args.engine == "vllm":
         from moe_replay.integrations.vllm import routes_from_vllm
 
-        routes = routes_from_vllm(raw, model, pad_left=pad, seq_len=T)
+        routes = routes_from_vllm(raw, model, pad_left=pad, seq_len=T, prompt_start=args.start)
     else:
         from moe_replay.integrations.sglang import routes_from_sglang
 
-        routes = routes_from_sglang(raw, model, pad_left=pad, seq_len=T)
+        routes = routes_from_sglang(raw, model, pad_left=pad, seq_len=T, start_len=args.start)
     position_ids = (mask.cumsum(1) - 1).clamp(min=0)
     live = teacher_forced_routes(model, seqs.cuda(), mask.cuda(), position_ids=position_ids.cuda())
     change = expert_change(routes.to("cuda"), live, label=f"{args.engine} vs transformers")

@@ -2,8 +2,9 @@
 
 - `moe_replay.integrations.trl`: `RoutingReplayGRPOTrainer`, TRL's GRPOTrainer with `routing_replay` (the `[trl]`
   extra);
-- `moe_replay.integrations.vllm` / `.sglang`: `routes_from_vllm` / `routes_from_sglang`, the routes those engines
-  return as `Routes` (no engine dependency: they read the engines' outputs).
+- `moe_replay.integrations.vllm` / `.sglang` / `.megatron_inference`: `routes_from_vllm` / `routes_from_sglang` /
+  `routes_from_megatron_inference`, the routes those engines return as `Routes` (no engine dependency: they read the
+  engines' outputs).
 
 An integration builds on the engines; an engine never imports one. `moe_replay.integrations.megatron` is a shim for
 `moe_replay.engines.megatron`.

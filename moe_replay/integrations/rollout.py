@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ..routes import LayerInfo, Routes
-from ..routes_rows import engine_columns
+from ..routes_index import is_integer_scalar
+from ..routes_rows import engine_columns, pad_offsets
 
 ROW = re.compile(r"^row (\d+)\b|\bsequence (\d+)\b")  # how `Routes.from_rows` names the row it refuses
 
@@ -85,17 +86,56 @@ def check_columns(where: str, columns: int, layers: Sequence[LayerInfo], decoder
         )
 
 
-def check_row_length(where: str, rows: int, prompt: int, completion: int) -> None:
-    """Raise unless an engine returned prompt + completion - 1 rows (the last sampled token is never an input).
+def check_row_length(where: str, rows: int, prompt: int, completion: int, start: int = 0, name: str = "") -> None:
+    """Raise unless an engine returned prompt + completion - 1 - `start` rows (the last sampled token is never an
+    input; the first `start` positions were not asked for, `name` says by which argument).
 
     Example:
         >>> check_row_length("vLLM output 0", rows=7, prompt=5, completion=3)
+        >>> check_row_length("vLLM output 0", rows=5, prompt=5, completion=3, start=2, name="prompt_start")
     """
-    if rows != prompt + completion - 1:
+    if start > prompt:
+        raise ValueError(f"{where}: {name}={start} is past its prompt of {prompt} tokens")
+    if rows != prompt + completion - 1 - start:
+        skipped = f" - {name} {start}" if start else ""
         raise ValueError(
             f"{where}: routes hold {rows} positions but its {prompt} prompt and {completion} completion tokens "
-            f"need prompt + completion - 1 = {prompt + completion - 1}"
+            f"need prompt + completion - 1{skipped} = {prompt + completion - 1 - start}"
         )
+
+
+def start_offsets(start: int | Sequence[int] | torch.Tensor | None, requests: int, name: str) -> list[int]:
+    """`start` (an engine's offset of the first returned position: one for all requests, or one per request) as one
+    whole number >= 0 per request, or a ValueError naming both counts.
+
+    Example:
+        >>> start_offsets(2, 3, "prompt_start"), start_offsets([0, 4], 2, "prompt_start")
+        ([2, 2, 2], [0, 4])
+    """
+    if start is None:
+        return [0] * requests
+    if is_integer_scalar(start):
+        given = [start] * requests
+    else:
+        given = start.tolist() if isinstance(start, torch.Tensor | np.ndarray) else list(start)
+        if len(given) != requests:
+            raise ValueError(f"{name} has {len(given)} offsets for {requests} requests")
+    bad = next((g for g in given if not is_integer_scalar(g) or g < 0), None)
+    if bad is not None:
+        raise ValueError(f"{name} must hold whole numbers >= 0, got {bad!r}")
+    return [int(g) for g in given]
+
+
+def batch_length(lengths: Sequence[int], pad_left: Sequence[int] | torch.Tensor | None) -> int:
+    """The batch length T that the token counts give: the longest `pad_left[i]` + prompt + completion tokens of row
+    i (its routes hold one position less: the last sampled token is never an input).
+
+    Example:
+        >>> batch_length([5, 9], pad_left=[4, 0])
+        9
+    """
+    pads = pad_offsets(pad_left, len(lengths))
+    return max((p + n for p, n in zip(pads, lengths, strict=True)), default=0)
 
 
 def rows_to_routes(

@@ -36,8 +36,17 @@ import torch
 from torch import nn
 
 from ..routes import LayerInfo, Routes
+from ..routes_rows import pad_offsets
 from .payload import mapping, routes_array, shown, token_count, whole
-from .rollout import check_columns, check_row_length, decoder_layers, layers_of, rows_to_routes
+from .rollout import (
+    batch_length,
+    check_columns,
+    check_row_length,
+    decoder_layers,
+    layers_of,
+    rows_to_routes,
+    start_offsets,
+)
 
 FLAG = "start vLLM with enable_return_routed_experts=True (LLM(...) argument, or --enable-return-routed-experts)"
 PLAIN = (str, bytes, bytearray, int, float, complex, list, tuple, np.ndarray, np.generic, torch.Tensor)
@@ -49,14 +58,19 @@ def routes_from_vllm(
     *,
     pad_left: Sequence[int] | torch.Tensor | None = None,
     seq_len: int | None = None,
+    prompt_start: int | Sequence[int] | torch.Tensor | None = None,
 ) -> Routes:
     """One row per completion (requests in order, then completions by index) of vLLM's `RequestOutput`s, or of
     OpenAI-server response dicts; row i covers its prompt and completion tokens from offset `pad_left[i]` (default
-    0) in a [B, T] batch. The trainer `model` (or a list of `LayerInfo`) names the layers, E and K; a decoder layer
-    without a router loses its column. Raises ValueError, naming the output ("vLLM output 2, completion 1"), its
-    field and both sides, for a row whose length is not prompt + completion - 1, L, K or E that do not match, bad
-    ids, outputs without routes, or a malformed payload (not base64 of a whole `.npy` file of integers, ragged or
-    null-holding nested lists, float or bool ids, null or non-integer counts).
+    0) in a [B, T] batch, T (default) the longest `pad_left[i] + prompt + completion`. `prompt_start` is the
+    `SamplingParams.routed_experts_prompt_start` the requests were sent with (one for all, or one per request; vLLM
+    does not echo it): the routes then begin at that prompt position and the ones before it stay unrecorded. The
+    trainer `model` (or a list of `LayerInfo`) names the layers, E and K; a decoder layer without a router loses its
+    column. Raises ValueError, naming the output ("vLLM output 2, completion 1"), its field and both sides, for a row
+    whose length is not prompt + completion - 1 - prompt_start, L, K or E that do not match, bad ids, outputs
+    without routes (vLLM started without the flag, or a request aborted before any forward), or a malformed payload
+    (not base64 of a whole `.npy` file of integers, ragged or null-holding nested lists, float or bool ids, null or
+    non-integer counts).
 
     Example:
         >>> routes = routes_from_vllm(llm.generate(prompts, params), model)  # doctest: +SKIP
@@ -67,20 +81,27 @@ def routes_from_vllm(
     if isinstance(outputs, str | bytes) or not isinstance(outputs, Iterable):
         raise ValueError(f"vLLM outputs must be a list of RequestOutput or response dicts, got {shown(outputs)}")
     K, decoder = layers[0].top_k, None if isinstance(model, Sequence) else decoder_layers(model)
-    rows, names, empties = [], [], False
+    outputs = list(outputs)
+    starts = start_offsets(prompt_start, len(outputs), "prompt_start")
+    rows, names, placed, lengths, empties = [], [], [], [], False
     for r, out in enumerate(outputs):
-        for row, split, name in _rows_of(out, r, K):
+        for row, split, name, tokens in _rows_of(out, r, K, starts[r]):
             check_columns(name, row.shape[1], layers, decoder)
             rows.append(row)
             names.append(name)
+            placed.append(starts[r])
+            lengths.append(tokens)
             empties |= split
-    return rows_to_routes("vLLM", rows, names, layers, pad_left=pad_left, seq_len=seq_len, zeros_empty=empties)
+    pads = pad_offsets(pad_left, len(rows))
+    T = batch_length(lengths, pads) if seq_len is None else seq_len
+    starts = [p + s for p, s in zip(pads, placed, strict=True)]
+    return rows_to_routes("vLLM", rows, names, layers, pad_left=starts, seq_len=T, zeros_empty=empties)
 
 
-def _rows_of(out: Any, r: int, K: int) -> list[tuple[np.ndarray, bool, str]]:
-    """[(routes of each completion of request `r`, whether the prompt routes came separately, what names it)]. A
-    completions-endpoint response gives each choice its prompt's ids (several prompts may share one response);
-    others give them once."""
+def _rows_of(out: Any, r: int, K: int, start: int) -> list[tuple[np.ndarray, bool, str, int]]:
+    """[(routes of each completion of request `r`, whether the prompt routes came separately, what names it, its
+    prompt + completion tokens)]. A completions-endpoint response gives each choice its prompt's ids (several
+    prompts may share one response); others give them once. `start`: the prompt position the routes begin at."""
     where = f"vLLM output {r}"
     if out is None or isinstance(out, PLAIN):
         raise ValueError(f"{where} is {shown(out)}, not a RequestOutput or a response dict")
@@ -115,12 +136,19 @@ def _rows_of(out: Any, r: int, K: int) -> list[tuple[np.ndarray, bool, str]]:
         completion = token_count(_field(c, "token_ids"), at, "token_ids")
         routes = _field(c, "routed_experts")
         if routes is None:
-            raise ValueError(f"{at} holds no routed_experts: {FLAG}")
+            if _field(c, "finish_reason") == "abort":
+                raise ValueError(f"{at} was aborted before any forward: it holds no routed_experts (drop it)")
+            raise ValueError(f"{at} holds no routed_experts: {FLAG} (a request aborted before any forward has none)")
         if prompt_routes is None:
             routes = routes_array(routes, at, "routed_experts", K)
-            check_row_length(f"{at}, routed_experts", routes.shape[0], prompt, completion)
-            found.append((routes, False, f"{at}, routed_experts"))
+            check_row_length(f"{at}, routed_experts", routes.shape[0], prompt, completion, start, "prompt_start")
+            found.append((routes, False, f"{at}, routed_experts", prompt + completion))
             continue
+        if start:
+            raise ValueError(
+                f"{at}: prompt_start={start} was given, but the output is vLLM 0.21's split form "
+                "(prompt_routed_experts), which always covers the whole prompt"
+            )
         # the split form: prompt routes, then completion - 1 rows (none for a one-token completion: a server's `[]`)
         routes = prompt_routes[:0] if _empty(routes) else routes_array(routes, at, "routed_experts", K)
         check_row_length(f"{at}, prompt_routed_experts", prompt_routes.shape[0], prompt, 1)
@@ -131,7 +159,7 @@ def _rows_of(out: Any, r: int, K: int) -> list[tuple[np.ndarray, bool, str]]:
                 f"{routes.shape[1:]}"
             )
         both = np.concatenate([prompt_part, routes], dtype=_holding(prompt_part.dtype, routes.dtype))
-        found.append((both, True, f"{at}, prompt_routed_experts + routed_experts"))
+        found.append((both, True, f"{at}, prompt_routed_experts + routed_experts", prompt + completion))
     return found
 
 

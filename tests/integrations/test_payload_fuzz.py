@@ -104,7 +104,7 @@ def sglang_response(form: str) -> dict:
 
 
 def test_the_unbroken_payloads_import():
-    expected = Routes.from_rows([good_routes()] * 2, LAYERS)
+    expected = Routes.from_rows([good_routes()] * 2, LAYERS, seq_len=P + N)  # (T: the token counts' batch length)
     for form in VLLM_FORMS:
         assert routes_from_vllm([vllm_output(form), vllm_output(form)], LAYERS).equal(expected), form
     for form in ("native", "openai"):

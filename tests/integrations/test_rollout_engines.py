@@ -76,8 +76,8 @@ def test_vllm_prefix_cached_prompt_rows_of_a_top_1_model_are_unrecorded(told):
     if told:
         output.num_cached_tokens = 3
     routes = routes_from_vllm([output], model)
-    assert routes.mask[0].tolist() == [False, False, False, True, True, True]
-    assert torch.equal(routes.indices[0, 3:].long(), torch.from_numpy(prompt_routes[3:]).long())
+    assert routes.mask[0].tolist() == [False, False, False, True, True, True, False]  # (T: the 7 tokens)
+    assert torch.equal(routes.indices[0, 3:6].long(), torch.from_numpy(prompt_routes[3:]).long())
 
 
 def test_vllm_n_completions_per_request_keep_index_order(generation):
@@ -92,9 +92,9 @@ def test_vllm_n_completions_per_request_keep_index_order(generation):
     ]
     request = SimpleNamespace(prompt_token_ids=r.prompt, prompt_routed_experts=None, outputs=choices)
     routes = routes_from_vllm([request], generation.model)
-    assert routes.batch_size == 2
-    assert torch.equal(routes.indices[0, :, 0].long(), torch.from_numpy(first[:, 0]).long())
-    assert torch.equal(routes.indices[1, :, 0].long(), torch.from_numpy(second[:, 0]).long())
+    assert routes.shape[:2] == (2, len(r.prompt) + len(r.completion))  # (T: the batch length the token counts give)
+    assert torch.equal(routes.indices[0, :-1, 0].long(), torch.from_numpy(first[:, 0]).long())
+    assert torch.equal(routes.indices[1, :-1, 0].long(), torch.from_numpy(second[:, 0]).long())
 
 
 def test_sglang(generation):
