@@ -10,7 +10,7 @@ peer: RECORD on every router, the forward, `get_recorded_data()` cloned), and re
 (ours: `with replay_routes(model, routes)`; the peer: `set_replay_data(rows)`, REPLAY_FORWARD, forward, backward,
 `clear_global_indices()`). Instructions: each work in its own process under `valgrind --tool=callgrind
 --instr-atstart=no`, the garbage collector off while counting, N repetitions after 3 uncounted ones (the helper of
-host_instructions.py). Writes benchmarks/results_megatron_native.csv (or --csv).
+host_instructions.py). Writes benchmarks/results_megatron_native.csv (--timed: ..._timed.csv; or --csv).
 """
 
 from __future__ import annotations
@@ -155,8 +155,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--timed", action="store_true", help="paired time instead of instructions")
     ap.add_argument("--rounds", type=int, default=15, help="paired rounds per timed row")
-    ap.add_argument("--csv", type=Path, default=Path(__file__).with_name("results_megatron_native.csv"))
+    ap.add_argument("--csv", type=Path, help="default: results_megatron_native.csv (--timed: ..._timed.csv) here")
     args = ap.parse_args()
+    name = "results_megatron_native_timed.csv" if args.timed else "results_megatron_native.csv"
+    args.csv = args.csv or Path(__file__).with_name(name)
     sys.path.insert(0, str(Path(__file__).parent))
     from host_instructions import build_helper
     from run import write_rows

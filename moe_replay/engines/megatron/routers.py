@@ -5,6 +5,7 @@ its modules locally, so every router is named by its global layer number and kno
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
@@ -46,12 +47,9 @@ def check_version(installed: str) -> None:
     Example:
         >>> check_version("0.19.2")
     """
-    from packaging.version import Version
-
-    low, high = TESTED_MEGATRON
-    release = Version(Version(installed).base_version)  # (a 0.20 pre-release is 0.20)
-    if Version(low) <= release < Version(high):
+    if in_tested_range(installed):
         return
+    low, high = TESTED_MEGATRON
     message = (
         f"moe-replay's Megatron engine is tested with megatron-core>={low},<{high} (0.16.1 and 0.19.2) but "
         f"megatron-core {installed} is installed: {INSTALL_HINT}, or set MOE_REPLAY_MEGATRON_UNTESTED=1 to try it"
@@ -59,6 +57,21 @@ def check_version(installed: str) -> None:
     if os.environ.get("MOE_REPLAY_MEGATRON_UNTESTED") != "1":
         raise ImportError(message)
     warnings.warn(message, stacklevel=3)
+
+
+@functools.cache
+def in_tested_range(installed: str) -> bool:
+    """Whether megatron-core version `installed` is in `TESTED_MEGATRON` (a pre-release counts as its release).
+
+    Example:
+        >>> in_tested_range("0.19.2"), in_tested_range("0.20.0rc1")
+        (True, False)
+    """
+    from packaging.version import Version
+
+    low, high = TESTED_MEGATRON
+    release = Version(Version(installed).base_version)  # (a 0.20 pre-release is 0.20)
+    return Version(low) <= release < Version(high)
 
 
 @dataclass

@@ -56,12 +56,9 @@ def routes_to_rows(routes: Routes) -> list[torch.Tensor]:
         >>> len(rows), rows[0].shape  # L tensors of [T*B, K]
     """
     B, T, L, K = routes.indices.shape
-    out = []
-    for layer, info in enumerate(routes.layers):
-        rows = routes.indices[:, :, layer].transpose(0, 1).reshape(T * B, K).long()
-        spread = (torch.arange(T * B, device=rows.device)[:, None] * K + torch.arange(K, device=rows.device)) % max(
-            info.num_experts, K
-        )
-        keep = routes.mask.transpose(0, 1).reshape(T * B, 1).to(rows.device)
-        out.append(torch.where(keep, rows, spread))
-    return out
+    rows = routes.indices.transpose(0, 1).reshape(T * B, L, K).long()
+    counts = torch.tensor([max(info.num_experts, K) for info in routes.layers], device=rows.device)
+    order = torch.arange(T * B, device=rows.device)[:, None, None] * K + torch.arange(K, device=rows.device)
+    spread = order % counts[:, None]  # [T*B, L, K]
+    keep = routes.mask.transpose(0, 1).reshape(T * B, 1, 1).to(rows.device)
+    return list(torch.where(keep, rows, spread).unbind(1))

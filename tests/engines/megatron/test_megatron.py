@@ -501,7 +501,7 @@ def test_engine_routes_replay_on_megatron():
         }
         for i in range(routes.batch_size)
     ]
-    imported = routes_from_sglang(responses, model)
+    imported = routes_from_sglang(responses, model, seq_len=routes.seq_len)  # (the trainer's batch: S, not S + 1)
     assert imported.layer_names == ["decoder.layers.0.mlp.router", "decoder.layers.1.mlp.router"]
     assert imported.equal(routes)
     with replay_routes(model, imported):

@@ -122,7 +122,7 @@ def test_rollout_routes_leave_the_multi_token_prediction_router_live():
         )
         for b in range(2)
     ]
-    imported = routes_from_vllm(outputs, model)
+    imported = routes_from_vllm(outputs, model, seq_len=8)  # (the trainer's batch of 8: the last token not an input)
     assert imported.layer_names == own.layer_names[:2]
     with replay_routes(model, imported):
         model(tokens, pos, mask, labels=labels).mean().backward()
