@@ -14,6 +14,7 @@ drift alone cannot explain GRPO's failure there.
 
     python experiments/scaling.py --preset quick   # base and 8 layers, 1 seed, a few steps: a smoke test
     python experiments/scaling.py --preset full    # 8 settings x 3 seeds (2 at 32 layers); resumable, about 100 minutes
+    python experiments/scaling.py --preset gate --out runs/gate   # round 3 gate, lr 3e-4 (experiments/round3_plan.md)
 
 Writes <out>/scaling_steps.csv (one row per measured minibatch), scaling_summary.csv (per setting, mean ± sd over
 seeds), scaling_fit.csv (the extrapolation), scaling_warm_starts.csv (each warm start's sampled reward) and
@@ -40,13 +41,14 @@ from common import (
     warm_started,
     write_table,
 )
-from scaling_report import extrapolate, figure, summarize
+from scaling_report import extrapolate, figure, gate_verdict, summarize
 from torch import nn
 from tqdm.auto import tqdm
 
 from moe_replay.rl import Rollout, Task, answer_logp, minibatch_update, rollout, sampled_reward
 from moe_replay.rl.diagnostics import k3_kl
 
+GATE, GATE_FALLBACK = "gate: pair sum, 16 tokens, 64 experts top-1", "gate: pair sum, 16 tokens, 16 experts top-1"
 BASE = {"varies": "base", "layers": 4, "experts": 16, "top_k": 2, "task": ("addition", 3)}  # 4-token answers
 SETTINGS = {
     "base": BASE,
@@ -54,6 +56,9 @@ SETTINGS = {
     **{f"{e} experts, top-8": BASE | {"varies": "experts", "experts": e, "top_k": 8} for e in (64, 128)},
     # the length axis changes the task, so it has its own short-answer control
     **{f"pair sum, {n} tokens": BASE | {"varies": "length", "task": ("pair_sum", n)} for n in (4, 32)},
+    # round 3's gate (experiments/round3_plan.md): the most favourable regime for routing noise, at a fixed lr
+    GATE: {"varies": "gate", "layers": 4, "experts": 64, "top_k": 1, "task": ("pair_sum", 16)},
+    GATE_FALLBACK: {"varies": "gate", "layers": 4, "experts": 16, "top_k": 1, "task": ("pair_sum", 16)},
 }
 KL_TARGET = 1e-2  # nats per answer token per GRPO step: the median at lr 1e-4 in the base setting (mismatch runs)
 LR0 = 1e-4  # the calibration's learning rate
@@ -67,8 +72,17 @@ PRESETS = {
         "measure": 1,
         "batch": {"prompts": 4, "group_size": 4, "minibatches": 2},
     },
+    "gate": {  # a fixed learning rate, the candidate batch shape of round 3 (8 prompts x 8 answers, 8 minibatches)
+        "settings": [GATE],
+        "seeds": {"default": [0]},
+        "warm_steps": 300,
+        "lr": 3e-4,
+        "settle": 5,
+        "measure": 10,
+        "batch": {"prompts": 8, "group_size": 8, "minibatches": 8},
+    },
     "full": {
-        "settings": list(SETTINGS),
+        "settings": [s for s in SETTINGS if not s.startswith("gate")],
         "seeds": {"default": [0, 1, 2], "32 layers": [0, 1]},  # 32 layers: ~15 minutes a seed
         "warm_steps": 300,
         "calibrate": 10,
@@ -125,16 +139,19 @@ def probe(name: str, seed: int, p: dict, cache: Path, progress: bool) -> pd.Data
     task = Task(*cfg["task"])
     shape = {k: cfg[k] for k in ("layers", "experts", "top_k")}
     init = warm_started(cache, **shape, steps=p["warm_steps"], seed=seed, task=task)
-    bar = tqdm(total=p["calibrate"] + p["settle"] + p["measure"], desc=f"{name} seed {seed}", disable=not progress)
+    steps = p.get("calibrate", 0) * ("lr" not in p) + p["settle"] + p["measure"]
+    bar = tqdm(total=steps, desc=f"{name} seed {seed}", disable=not progress)
 
-    model, opt = fresh(init, LR0, seed)  # calibration: KL per step at LR0, its later half (past Adam's first steps)
-    g = torch.Generator().manual_seed(seed)
-    kls = []
-    for _ in range(p["calibrate"]):
-        kls.append(grpo_step(model, opt, task, g, p["batch"], measure=False)[1])
-        bar.update()
-    calibrated_kl = float(np.median(kls[len(kls) // 2 :]))
-    lr = LR0 * min(max(math.sqrt(KL_TARGET / max(calibrated_kl, 1e-12)), 0.1), 30.0)
+    lr, calibrated_kl = p.get("lr"), float("nan")
+    if lr is None:  # calibration: KL per step at LR0, its later half (past Adam's first steps)
+        model, opt = fresh(init, LR0, seed)
+        g = torch.Generator().manual_seed(seed)
+        kls = []
+        for _ in range(p["calibrate"]):
+            kls.append(grpo_step(model, opt, task, g, p["batch"], measure=False)[1])
+            bar.update()
+        calibrated_kl = float(np.median(kls[len(kls) // 2 :]))
+        lr = LR0 * min(max(math.sqrt(KL_TARGET / max(calibrated_kl, 1e-12)), 0.1), 30.0)
 
     model, opt = fresh(init, lr, seed)
     g = torch.Generator().manual_seed(seed + 1000)
@@ -192,6 +209,11 @@ def main() -> None:
     fit = extrapolate(frame)
     write_table(fit, args.out / "scaling_fit.csv")
     print(fit.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
+    if args.preset == "gate":  # round 3's gate: its verdict, not the scaling figure
+        verdict = gate_verdict(frame)
+        write_table(verdict, args.out / "scaling_gate.csv")
+        print(verdict.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        return
     publish(summary, figure(frame, fit, KL_TARGET, at_chance), args.out, "scaling")
 
 

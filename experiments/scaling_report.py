@@ -31,6 +31,22 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     return out.loc[order.sort_values(list(order.columns)).index].reset_index(drop=True)
 
 
+GATE_CHANGE, GATE_SHARE = 0.08, 0.50  # round 3's gate (experiments/round3_plan.md), fixed before its run
+
+
+def gate_verdict(frame: pd.DataFrame) -> pd.DataFrame:
+    """Round 3's gate per setting and seed: the share of expert slots that moved after one update (minibatch 2, the
+    first off-policy one, taken after one update since the rollout), averaged over the measured steps; routing's
+    share of the log-ratio variance over minibatches 2..μ; and whether both pass (>= GATE_CHANGE, >= GATE_SHARE)."""
+    g = frame.groupby([*SHAPE, "seed"], sort=False)
+    one = frame[frame.minibatch == 1].groupby([*SHAPE, "seed"], sort=False).experts_changed.mean()
+    out = g[["var_live", "var_replay", "kl_update"]].mean().join(one.rename("change_per_update"))
+    out = out.join(g[["lr"]].first()).reset_index()
+    out["share_var"] = 1 - out.var_replay / out.var_live
+    out["passes"] = (out.change_per_update >= GATE_CHANGE) & (out.share_var >= GATE_SHARE)
+    return out
+
+
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     """Per setting: seeds, calibrated lr, the per-update KL reached, experts moved, and routing's shares (mean, sd)."""
     seeds = per_seed(frame)
