@@ -59,6 +59,18 @@ SETTINGS = {
     # round 3's gate (experiments/round3_plan.md): the most favourable regime for routing noise, at a fixed lr
     GATE: {"varies": "gate", "layers": 4, "experts": 64, "top_k": 1, "task": ("pair_sum", 16)},
     GATE_FALLBACK: {"varies": "gate", "layers": 4, "experts": 16, "top_k": 1, "task": ("pair_sum", 16)},
+    # the search when the gate fails (at most one session): the fallback at a larger lr, top-2, and 8 layers
+    **{
+        f"gate search: {e} experts top-{k}, {n} layers, lr {lr:g}": {
+            "varies": "gate",
+            "layers": n,
+            "experts": e,
+            "top_k": k,
+            "task": ("pair_sum", 16),
+            "lr": lr,
+        }
+        for e, k, n, lr in ((16, 1, 4, 1e-3), (16, 2, 4, 1e-3), (16, 1, 8, 1e-3), (16, 1, 4, 3e-3))
+    },
 }
 KL_TARGET = 1e-2  # nats per answer token per GRPO step: the median at lr 1e-4 in the base setting (mismatch runs)
 LR0 = 1e-4  # the calibration's learning rate
@@ -81,6 +93,7 @@ PRESETS = {
         "measure": 10,
         "batch": {"prompts": 8, "group_size": 8, "minibatches": 8},
     },
+    "gate_search": {},  # the gate's shape over the fallback and the search settings (below)
     "full": {
         "settings": [s for s in SETTINGS if not s.startswith("gate")],
         "seeds": {"default": [0, 1, 2], "32 layers": [0, 1]},  # 32 layers: ~15 minutes a seed
@@ -90,6 +103,11 @@ PRESETS = {
         "measure": 10,
         "batch": {"prompts": 16, "group_size": 8, "minibatches": 4},
     },
+}
+
+
+PRESETS["gate_search"] = PRESETS["gate"] | {
+    "settings": [GATE_FALLBACK] + [s for s in SETTINGS if s.startswith("gate search")]
 }
 
 
@@ -139,10 +157,10 @@ def probe(name: str, seed: int, p: dict, cache: Path, progress: bool) -> pd.Data
     task = Task(*cfg["task"])
     shape = {k: cfg[k] for k in ("layers", "experts", "top_k")}
     init = warm_started(cache, **shape, steps=p["warm_steps"], seed=seed, task=task)
-    steps = p.get("calibrate", 0) * ("lr" not in p) + p["settle"] + p["measure"]
+    steps = p.get("calibrate", 0) * ("lr" not in p and "lr" not in cfg) + p["settle"] + p["measure"]
     bar = tqdm(total=steps, desc=f"{name} seed {seed}", disable=not progress)
 
-    lr, calibrated_kl = p.get("lr"), float("nan")
+    lr, calibrated_kl = cfg.get("lr", p.get("lr")), float("nan")
     if lr is None:  # calibration: KL per step at LR0, its later half (past Adam's first steps)
         model, opt = fresh(init, LR0, seed)
         g = torch.Generator().manual_seed(seed)
@@ -209,7 +227,7 @@ def main() -> None:
     fit = extrapolate(frame)
     write_table(fit, args.out / "scaling_fit.csv")
     print(fit.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    if args.preset == "gate":  # round 3's gate: its verdict, not the scaling figure
+    if args.preset.startswith("gate"):  # round 3's gate: its verdict, not the scaling figure
         verdict = gate_verdict(frame)
         write_table(verdict, args.out / "scaling_gate.csv")
         print(verdict.to_string(index=False, float_format=lambda v: f"{v:.4g}"))

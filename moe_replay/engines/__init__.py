@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..routes import Routes
+from ..routes_packed import Packed
 from . import hf, megatron
 from .hf.layout import walked
+from .packed import PackedReplayer
 
 
 def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | megatron.MegatronRouteRecorder:
@@ -34,19 +36,27 @@ def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | 
 
 
 def replay_routes(
-    model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes], *, track_live: bool = False
-) -> hf.RouteReplayer | megatron.MegatronRouteReplayer:
+    model: nn.Module | Sequence[nn.Module], routes: Routes | Sequence[Routes] | Packed, *, track_live: bool = False
+) -> hf.RouteReplayer | megatron.MegatronRouteReplayer | PackedReplayer:
     """Force every router of `model` to select the experts in `routes` while the context is open (forward, and
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
     `record_routes`; a list of `Routes` (one per micro-batch forward), and a list of modules (a pipeline rank's
     virtual-pipeline chunks), are for megatron-core models. `track_live` also counts how many replayed experts live
-    routing would have changed (`ctx.live_moved()`).
+    routing would have changed (`ctx.live_moved()`). A `Packed` (`pack_routes`) replays a packed row only on
+    forwards that run it as packed sequences (transformers: restarting `position_ids`, no attention mask, no cache;
+    megatron-core: `PackedSeqParams` of the same boundaries), refusing any other before it runs.
 
     Example:
         >>> with replay_routes(model, routes):  # doctest: +SKIP
         ...     loss = loss_fn(model(sequences).logits)
         ...     loss.backward()
+        >>> with replay_routes(model, pack_routes(routes, attention_mask)):  # doctest: +SKIP
+        ...     model(row, position_ids=restarting, use_cache=False)
     """
+    if isinstance(routes, Packed):  # (a tuple: before the list-of-Routes case)
+        module = _one_module(model)
+        inner = replay_routes(module, routes.routes, track_live=track_live)
+        return PackedReplayer(module, routes, inner, megatron=isinstance(inner, megatron.MegatronRouteReplayer))
     if walked(model):  # a transformers model a context walked before (as often as once per log-prob chunk)
         return hf.RouteReplayer(model, routes, track_live=track_live)
     if megatron.is_megatron_model(model):

@@ -53,7 +53,7 @@ def routes_to_rows(routes: Routes) -> list[torch.Tensor]:
 
     Example:
         >>> rows = routes_to_rows(routes)  # doctest: +SKIP
-        >>> len(rows), rows[0].shape  # L tensors of [T*B, K]
+        >>> len(rows), rows[0].shape  # L tensors of [T*B, K]  # doctest: +SKIP
     """
     B, T, L, K = routes.indices.shape
     rows = routes.indices.transpose(0, 1).reshape(T * B, L, K).long()

@@ -15,8 +15,9 @@ from cp_worker import packed_batch, packed_params, sequence_batch  # noqa: E402
 from helpers import free_port  # noqa: E402
 from megatron_utils import megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
 
-from moe_replay import Routes, pack_routes, unpack_routes  # noqa: E402
-from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
+from moe_replay import Routes, pack_routes, replay_routes, unpack_routes  # noqa: E402
+from moe_replay.engines.megatron import record_routes  # noqa: E402
+from moe_replay.errors import ReplayError  # noqa: E402
 
 
 def router_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -61,3 +62,18 @@ def test_packed_row_routes_and_replays_as_the_batch():
         torch.testing.assert_close(loss.detach()[0, tokens], expected, rtol=1e-5, atol=1e-6)
         for name, grad in router_grads(model).items():
             torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6)
+
+        # replay_routes(model, Packed) checks the forward's PackedSeqParams against the packed routes' boundaries
+        with torch.no_grad(), replay_routes(model, mine):
+            replayed = model(packed["tokens"], packed["position_ids"], None, packed_seq_params=params)
+        with torch.no_grad(), replay_routes(model, mine.routes):
+            assert torch.equal(
+                replayed, model(packed["tokens"], packed["position_ids"], None, packed_seq_params=params)
+            )
+        shifted = packed_params(cu, torch.tensor([0, 4, 16], dtype=torch.int32))
+        for kwargs, why in (
+            ({}, "without PackedSeqParams"),
+            ({"packed_seq_params": shifted}, "cu_seqlens \\[0, 4, 16\\]"),
+        ):
+            with pytest.raises(ReplayError, match=why), torch.no_grad(), replay_routes(model, mine):
+                model(packed["tokens"], packed["position_ids"], None, **kwargs)

@@ -1,0 +1,81 @@
+"""Packed (padding-free) batches on Hugging Face transformers: a row of concatenated sequences with restarting
+position_ids, no attention mask and no cache runs each sequence on its own (transformers' packed-sequence masks);
+replaying `pack_routes` of the padded batch's routes there gives the padded forward's per-token log-probs and router
+gradients, and a forward that transformers would not separate (an attention mask, a cache, positions that do not
+restart at the sequences' starts) is refused before it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import perturb, tiny_qwen3_moe
+
+from moe_replay import pack_routes, record_routes, replay_routes
+from moe_replay.errors import ReplayError
+
+LENGTHS = (5, 7, 3)
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three right-padded sequences [3, 7] and their attention mask."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, 32, (len(LENGTHS), max(LENGTHS)), generator=g)
+    keep = (torch.arange(max(LENGTHS))[None] < torch.tensor(LENGTHS)[:, None]).long()
+    return ids * keep, keep
+
+
+def packed_row(ids: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences concatenated in one row [1, 15] and their restarting position_ids."""
+    return ids[keep.bool()][None], torch.cat([torch.arange(n) for n in LENGTHS])[None]
+
+
+def router_grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+
+
+def token_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return logits.log_softmax(-1)[..., :-1, :].gather(-1, ids[..., 1:, None])[..., 0]
+
+
+def test_packed_replay_gives_the_padded_forward_and_refuses_a_forward_that_mixes_sequences():
+    model = tiny_qwen3_moe()
+    ids, keep = padded_batch()
+    row, positions = packed_row(ids, keep)
+    with torch.no_grad(), record_routes(model) as rec:
+        model(ids, attention_mask=keep)
+    packed = pack_routes(rec.routes, keep)
+    perturb(model)  # live routing now moves: the replay has to force the recorded experts
+
+    with replay_routes(model, rec.routes):
+        logits = model(ids, attention_mask=keep).logits
+        padded_logp = token_logp(logits, ids)
+        (padded_logp * keep[:, 1:]).sum().backward()
+    expected_grads = router_grads(model)
+    model.zero_grad()
+    with replay_routes(model, packed) as ctx:
+        logits = model(row, position_ids=positions, use_cache=False).logits
+        logp = token_logp(logits, row)[0]
+        inside = torch.cat([torch.arange(n) < n - 1 for n in LENGTHS])[:-1]  # next token in the same sequence
+        logp[inside].sum().backward()
+    assert ctx.packed is packed
+    torch.testing.assert_close(logp[inside], padded_logp[keep[:, 1:].bool()], rtol=1e-5, atol=1e-5)
+    for got, want in zip(router_grads(model), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+    # the trap: with the default use_cache (or a mask), transformers lets the sequences attend to each other
+    with torch.no_grad():
+        mixed = token_logp(model(row, position_ids=positions).logits, row)[0]
+    assert (mixed[inside] - logp[inside].detach()).abs().max() > 1e-3  # (it really computes something else)
+    refusals = {
+        "makes a KV cache \\(use_cache defaults to True": {"position_ids": positions},
+        "given an attention_mask": {
+            "position_ids": positions,
+            "attention_mask": torch.ones_like(row),
+            "use_cache": False,
+        },
+        "given no position_ids": {"use_cache": False},
+        "position 5 is 5, expected 0": {"position_ids": torch.arange(row.shape[1])[None], "use_cache": False},
+    }
+    for why, kwargs in refusals.items():
+        with pytest.raises(ReplayError, match=why), replay_routes(model, packed), torch.no_grad():
+            model(row, **kwargs)
