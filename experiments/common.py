@@ -9,6 +9,7 @@ Example (in an experiment script, run as `python experiments/<name>.py`, whose f
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from torch import nn
 from moe_replay import expert_change, teacher_forced_routes
 from moe_replay.rl import DEFAULT_EPSILON, Rollout, Task, answer_logp, build_policy, warm_start
 
-RESULTS = Path("experiments/results")  # the committed results; tests write elsewhere (--out)
+RESULTS = Path("experiments/results")  # the committed results: written only when asked (--out experiments/results)
+OUT = Path("runs/results")  # where a run's tables and figures go by default
 WARM_STARTS = Path("runs/warm_starts")  # warm-started policies, shared by the experiments that start from one
 BASE_TASK = Task("addition", 3)  # the task every experiment warm-starts on unless it says otherwise
 CHANCE = 0.1  # per-digit reward of random answers
@@ -37,8 +39,10 @@ def parse_args(
     extra: Callable[[argparse.ArgumentParser], object] | None = None,
     argv: Sequence[str] | None = None,
 ) -> argparse.Namespace:
-    """Parse the options every experiment has: `--preset` (default "full"), `--out` (default experiments/results),
-    `--runs` (default `runs`, or `runs(preset)`) and `--quiet`, plus the script's own, added by `extra`.
+    """Parse the options every experiment has: `--preset` (default "full"), `--out` (default runs/results: committing
+    new results is an explicit `--out experiments/results`), `--runs` (default `runs`, or `runs(preset)`), `--quiet`
+    and `--replot` (redraw from the committed CSVs in experiments/results, `committed`), plus the script's own, added
+    by `extra`. Sets torch's thread count to OMP_NUM_THREADS (default 1): the thread count changes the trajectories.
 
     Example:
         >>> args = parse_args(__doc__, PRESETS, runs=lambda p: Path(f"runs/sweep_{p}"),  # doctest: +SKIP
@@ -47,16 +51,30 @@ def parse_args(
     """
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--preset", choices=list(presets), default="full", help="quick: a smoke test; full: the results")
-    ap.add_argument("--out", type=Path, default=RESULTS, help=f"where tables and figures go (default {RESULTS})")
+    ap.add_argument(
+        "--out", type=Path, default=OUT, help=f"where tables and figures go (default {OUT}; to commit: --out {RESULTS})"
+    )
     default = runs if isinstance(runs, Path) else runs("<preset>")
     ap.add_argument("--runs", type=Path, help=f"where runs and warm starts go (default {default})")
     ap.add_argument("--quiet", action="store_true", help="no progress output")
+    ap.add_argument("--replot", action="store_true", help=f"no runs: redraw from the committed CSVs in {RESULTS}")
     if extra is not None:
         extra(ap)
     args = ap.parse_args(argv)
+    # one thread unless OMP_NUM_THREADS says otherwise: the thread count changes the trajectories (reduction order)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.runs is None:
         args.runs = runs if isinstance(runs, Path) else runs(args.preset)
     return args
+
+
+def committed(name: str) -> pd.DataFrame:
+    """A committed results CSV (`--replot` redraws from these).
+
+    Example:
+        >>> frame = committed("compare_steps.csv")  # doctest: +SKIP
+    """
+    return pd.read_csv(RESULTS / name)
 
 
 def warm_started(

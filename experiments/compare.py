@@ -18,12 +18,12 @@ Writes <out>/compare_steps.csv (every step of every run, tidy), compare_summary.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pandas as pd
-from common import parse_args, publish, running_mean, write_table
+from common import committed, parse_args, publish, running_mean, write_table
 from matplotlib.figure import Figure
+from paired_stats import gap_columns
 
 from moe_replay.analysis import plots
 from moe_replay.rl import TrainConfig, train
@@ -65,8 +65,9 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per arm: final reward (mean of the last 10% of steps) mean ± sd over seeds, steps to THRESHOLD, clip rate,
-    expert change per update, p99 |token log-ratio|."""
+    """Per arm: final reward (mean of the last 10% of steps) mean ± sd over seeds, its paired gap to GRPO at the same
+    seed (mean, standard error, sd, seeds ahead, paired t and sign-test p), steps to THRESHOLD, clip rate, expert
+    change per update, p99 |token log-ratio|."""
     last = frame.step > frame.step.max() * 0.9
     per_seed = frame[last].groupby(["arm", "seed"], sort=False).reward_mean.mean()
     reached = frame[frame.reward_mean >= THRESHOLD].groupby(["arm", "seed"], sort=False).step.min()
@@ -78,6 +79,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                 "arm": arm,
                 "final_reward_mean": per_seed[arm].mean(),
                 "final_reward_sd": per_seed[arm].std() if len(per_seed[arm]) > 1 else float("nan"),
+                **({} if arm == "GRPO" else gap_columns(per_seed[arm] - per_seed["GRPO"])),
                 "seeds": runs.seed.nunique(),
                 f"steps_to_{THRESHOLD}": reached[arm].mean()
                 if arm in reached.index.get_level_values(0)
@@ -121,15 +123,10 @@ def figure(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def options(ap: argparse.ArgumentParser) -> None:
-    """compare.py's own option: `--replot`."""
-    ap.add_argument("--replot", action="store_true", help="redraw the summary and figure from <out>/compare_steps.csv")
-
-
 def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/compare_{preset}"), extra=options)
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/compare_{preset}"))
     if args.replot:
-        frame = pd.read_csv(args.out / "compare_steps.csv")
+        frame = committed("compare_steps.csv")
     else:
         frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
     publish(summarize(frame), figure(frame), args.out, "compare", dpi=110)

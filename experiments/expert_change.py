@@ -20,13 +20,12 @@ and expert_change_lr.png, expert_change_layers.png; warm starts are cached under
 
 from __future__ import annotations
 
-import argparse
 import copy
 from pathlib import Path
 
 import pandas as pd
 import torch
-from common import WARM_STARTS, parse_args, save_figure, warm_started, write_table
+from common import WARM_STARTS, committed, parse_args, save_figure, warm_started, write_table
 from matplotlib.figure import Figure
 
 from moe_replay import measure_update_drift
@@ -170,15 +169,10 @@ def report(frame: pd.DataFrame, out: Path) -> None:
     print(f"wrote {out}/expert_change.csv and two figures")
 
 
-def options(ap: argparse.ArgumentParser) -> None:
-    """expert_change.py's own option: `--replot`."""
-    ap.add_argument("--replot", action="store_true", help="redraw the table and figures from <out>/expert_change.csv")
-
-
 def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=WARM_STARTS, extra=options)
+    args = parse_args(__doc__, PRESETS, runs=WARM_STARTS)
     if args.replot:
-        frame = pd.read_csv(args.out / "expert_change.csv")
+        frame = committed("expert_change.csv")
     else:
         frame = measure(PRESETS[args.preset], args.runs, quiet=args.quiet)
         write_table(frame, args.out / "expert_change.csv")

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from common import LEARNED, parse_args, publish, write_table
+from common import LEARNED, committed, parse_args, publish, write_table
 from matplotlib.figure import Figure
+from paired_stats import gap_columns
 
 from moe_replay.rl import TrainConfig, train
 
@@ -87,7 +88,8 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
 
 def per_run(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per length, arm and seed: the first step's training reward (where the warm start left the policy), the
-    final training reward (mean of the last 20% of steps), the last held-out reward, the share of tokens clipped
+    final training reward (mean of the last 20% of steps), the held-out reward (mean of the last 3 evaluations), the
+    share of tokens clipped
     (mean over steps), and both rewards' paired gaps to GRPO at the same length and seed."""
     rows = []
     for (length, arm, seed), run in frame.groupby(["answer_len", "arm", "seed"], sort=False):
@@ -100,7 +102,7 @@ def per_run(frame: pd.DataFrame) -> pd.DataFrame:
                 "seed": seed,
                 "start_reward": run.reward_mean.iloc[0],  # the warm start's level (chance is 0.1 per digit)
                 "final_reward": tail.reward_mean.mean(),
-                "heldout_reward": held[HELDOUT].iloc[-1] if len(held) else np.nan,
+                "heldout_reward": held[HELDOUT].tail(3).mean() if len(held) else np.nan,
                 "clipped": run["clip_ratio/region_mean"].mean(),
             }
         )
@@ -114,16 +116,22 @@ def per_run(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per length and arm, mean ± sd over seeds: final and held-out reward, clipped tokens, and the paired gaps to
-    GRPO of the same length and seed."""
+    """Per length and arm, mean ± sd over seeds: final and held-out reward and clipped tokens; and the paired gaps to
+    GRPO of the same length and seed, of the final and of the held-out reward (mean, standard error, sd, seeds ahead,
+    paired t and sign-test p)."""
     runs = per_run(frame)
-    cols = ["start_reward", "final_reward", "heldout_reward", "clipped", "gap_to_grpo", "heldout_gap_to_grpo"]
+    cols = ["start_reward", "final_reward", "heldout_reward", "clipped"]
     g = runs.groupby(["answer_len", "arm"], sort=False)
     summary = g[cols].agg(["mean", "std"])
     summary.columns = [f"{c}_{s.replace('std', 'sd')}" for c, s in summary.columns]
     summary.insert(0, "seeds", g.seed.nunique())
-    summary.insert(1, "seeds_ahead_of_grpo", g.gap_to_grpo.apply(lambda s: int((s > 0).sum())))
-    return summary.reset_index()
+    gaps = g.apply(
+        lambda r: pd.Series(
+            {**gap_columns(r.gap_to_grpo), **gap_columns(r.heldout_gap_to_grpo, "heldout_gap_to_grpo")}
+        ),
+        include_groups=False,
+    )
+    return summary.join(gaps).reset_index()
 
 
 def figure(frame: pd.DataFrame) -> Figure:
@@ -170,7 +178,10 @@ def figure(frame: pd.DataFrame) -> Figure:
 
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/long_answers_{preset}"))
-    frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
+    if args.replot:
+        frame = committed("long_answers_steps.csv")
+    else:
+        frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
     publish(summarize(frame), figure(frame), args.out, "long_answers")
 
 

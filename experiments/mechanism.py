@@ -30,6 +30,7 @@ from common import (
     HIGH,
     LOW,
     WARM_STARTS,
+    committed,
     outside_clip,
     parse_args,
     same_weight_views,
@@ -131,18 +132,17 @@ def figure(frame: pd.DataFrame) -> Figure:
 
 
 def options(ap: argparse.ArgumentParser) -> None:
-    """mechanism.py's own options: `--init` and `--replot`."""
+    """mechanism.py's own option: `--init`."""
     ap.add_argument(
         "--init", type=Path, help="a warm-started policy (save_pretrained folder) instead of the cached one"
     )
-    ap.add_argument("--replot", action="store_true", help="redraw the summary and figure from <out>/mechanism.csv")
 
 
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=WARM_STARTS, extra=options)
     p = PRESETS[args.preset]
     if args.replot:
-        frame = pd.read_csv(args.out / "mechanism.csv")
+        frame = committed("mechanism.csv")
     else:
         init = args.init or warm_started(args.runs, layers=4, experts=16, top_k=2, steps=p["warm_steps"], seed=0)
         frame = pd.DataFrame([r for lr in p["lrs"] for s in p["seeds"] for r in run(lr, s, p["steps"], init)])

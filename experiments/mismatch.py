@@ -21,8 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from common import WARM_STARTS, parse_args, publish, warm_started, write_table
+from common import WARM_STARTS, committed, parse_args, publish, warm_started, write_table
 from matplotlib.figure import Figure
+from paired_stats import gap_columns, last_evaluations
 
 from moe_replay.analysis import plots
 from moe_replay.rl import TrainConfig, train
@@ -73,11 +74,12 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per arm: final held-out reward (last evaluation) mean ± sd over seeds, the paired gap to GRPO with the same
-    π_old source and seed (mean, sd, and whether it is beyond 2 sd), the largest drop of the held-out reward from
-    its running best, and the mean routing mismatch, sampler KL and clipped tokens of minibatches 2..μ."""
+    """Per arm: the held-out reward (the mean of the last 3 evaluations) mean ± sd over seeds, the paired gap to GRPO
+    with the same π_old source and seed (mean, standard error, sd, seeds ahead, paired t and sign-test p), the largest
+    drop of the held-out reward from its running best, and the mean routing mismatch, sampler KL and clipped tokens
+    of minibatches 2..μ."""
     evals = frame.dropna(subset=[HELDOUT])
-    last = evals[evals.step == evals.step.max()].set_index(["arm", "seed"])[HELDOUT]
+    last = last_evaluations(frame, HELDOUT, ["arm", "seed"])
     drop = evals.groupby(["arm", "seed"])[HELDOUT].apply(lambda s: float((s.cummax() - s).max()))
     rows = []
     for arm in frame.arm.unique():
@@ -85,15 +87,12 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
         source = runs.source.iloc[0]
         base = last.xs(f"GRPO, π_old {source}", level="arm")
         gap = last.xs(arm, level="arm") - base
-        sd = gap.std() if len(gap) > 1 else float("nan")
         rows.append(
             {
                 "arm": arm,
                 "heldout_reward_mean": last.xs(arm, level="arm").mean(),
                 "heldout_reward_sd": last.xs(arm, level="arm").std() if len(gap) > 1 else float("nan"),
-                "gap_to_grpo_mean": gap.mean(),
-                "gap_to_grpo_sd": sd,
-                "gap_beyond_2sd": bool(abs(gap.mean()) > 2 * sd) if sd == sd and sd > 0 else False,
+                **({} if arm == f"GRPO, π_old {source}" else gap_columns(gap)),
                 "max_drop_mean": drop.xs(arm, level="arm").mean(),
                 "seeds": runs.seed.nunique(),
                 "routing_mismatch": runs["mismatch/fraction"].mean(),
@@ -130,7 +129,10 @@ def figure(frame: pd.DataFrame) -> Figure:
 
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/mismatch_{preset}"))
-    frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
+    if args.replot:
+        frame = committed("mismatch_steps.csv")
+    else:
+        frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
     publish(summarize(frame), figure(frame), args.out, "mismatch", dpi=110)
 
 

@@ -34,6 +34,7 @@ from common import (
     LEARNED,
     LOW,
     WARM_STARTS,
+    committed,
     outside_clip,
     parse_args,
     publish,
@@ -206,6 +207,13 @@ def warm_rewards(p: dict, cache: Path) -> pd.DataFrame:
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/scaling_{preset}"))
     p = PRESETS[args.preset]
+    if args.replot:
+        frame, warm = committed("scaling_steps.csv"), committed("scaling_warm_starts.csv")
+        at_chance = frozenset(warm.groupby("setting").warm_start_reward.mean().loc[lambda r: r < LEARNED].index)
+        fit = extrapolate(frame)
+        write_table(fit, args.out / "scaling_fit.csv")
+        publish(summarize(frame), figure(frame, fit, KL_TARGET, at_chance), args.out, "scaling")
+        return
     frames = []
     every = sorted({s for seeds in p["seeds"].values() for s in seeds})
     for seed in every:  # seed by seed, so that a partial run already covers every setting

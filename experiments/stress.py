@@ -24,8 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from common import WARM_STARTS, parse_args, publish, running_mean, warm_started, write_table
+from common import WARM_STARTS, committed, parse_args, publish, running_mean, warm_started, write_table
 from matplotlib.figure import Figure
+from paired_stats import gap_columns
 
 from moe_replay.analysis import plots
 from moe_replay.rl import TrainConfig, train
@@ -79,9 +80,10 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per setting and arm: final reward (mean of the last 20% of steps) mean ± sd over seeds, the paired gap to
-    GRPO of the same setting and seed, the routes moved by the last minibatch, the counterfactual live clip fraction
-    against the replayed one, the KL between consecutive sampling policies, and gradient-norm spikes."""
+    """Per setting and arm: final reward (mean of the last 20% of steps) mean ± sd over seeds; the paired gap to
+    GRPO of the same setting and seed (mean, standard error, sd, seeds ahead, paired t and sign-test p); the routes
+    moved by the last minibatch, the counterfactual live clip fraction against the replayed one, the KL between
+    consecutive sampling policies, and gradient-norm spikes."""
     rows = []
     for (name, arm), runs in frame.groupby(["setting", "arm"], sort=False):
         tail = runs[runs.step > runs.step.max() * 0.8]
@@ -96,9 +98,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                 "seeds": len(final),
                 "final_reward_mean": final.mean(),
                 "final_reward_sd": final.std(),
-                "gap_to_grpo_mean": gap.mean(),
-                "gap_to_grpo_sd": gap.std(),
-                "seeds_ahead_of_grpo": int((gap > 0).sum()),
+                **({} if arm == "GRPO" else gap_columns(gap)),
                 "moved_since_rollout_last_minibatch": _mean(runs, "routes_moved_since_rollout/last_minibatch"),
                 "clipped": runs["clip_ratio/region_mean"].mean(),
                 "clipped_live_counterfactual": _mean(runs, "clip_ratio/live_counterfactual"),
@@ -143,7 +143,10 @@ def figure(frame: pd.DataFrame) -> Figure:
 
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/stress_{preset}"))
-    frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
+    if args.replot:
+        frame = committed("stress_steps.csv")
+    else:
+        frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
     publish(summarize(frame), figure(frame), args.out, "stress", dpi=100)
 
 

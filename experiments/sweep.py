@@ -24,8 +24,9 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
-from common import parse_args, publish, running_mean, write_table
+from common import committed, parse_args, publish, running_mean, write_table
 from matplotlib.figure import Figure
+from paired_stats import gap_columns
 
 from moe_replay.analysis import plots
 from moe_replay.rl import TrainConfig, train
@@ -86,10 +87,11 @@ def run_all(names: list[str], preset: str, runs: Path, progress: bool) -> pd.Dat
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per setting: final reward (mean of the last 20% of steps) of each arm, mean ± sd over seeds; the paired
-    gap replay − no replay per seed, its mean ± sd and in how many seeds replay is ahead; the largest drop from a
-    run's best reward (a collapse shows here); expert change per update, rollout/trainer mismatch, clipped tokens
-    and p99 |token log-ratio| without replay; how far the last minibatch's live routing is from the sampled one."""
+    """Per setting: final reward (mean of the last 20% of steps) of each arm, mean ± sd over seeds; the paired gap
+    replay − no replay per seed (mean, standard error, sd, seeds ahead, paired t and sign-test p); the largest drop
+    from a run's best reward (a collapse shows here); expert change per update, rollout/trainer mismatch, clipped
+    tokens and p99 |token log-ratio| without replay; how far the last minibatch's live routing is from the sampled
+    one."""
     rows = []
     for name in frame.setting.unique():
         runs = frame[frame.setting == name]
@@ -112,9 +114,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                 "final_GRPO_sd": final["GRPO"].std(),
                 "final_replay": final["GRPO + replay"].mean(),
                 "final_replay_sd": final["GRPO + replay"].std(),
-                "gap_replay_minus_off": gap.mean(),
-                "gap_sd": gap.std(),
-                "seeds_replay_ahead": int((gap > 0).sum()),
+                **gap_columns(gap, "gap_replay_minus_off"),
                 "max_drop_GRPO": drop.get("GRPO", float("nan")),
                 "max_drop_replay": drop.get("GRPO + replay", float("nan")),
                 "expert_change_per_update": off.expert_change.mean(),
@@ -161,6 +161,10 @@ def options(ap: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/sweep_{preset}"), extra=options)
+    if args.replot:
+        frame = committed("sweep_steps.csv")
+        publish(summarize(frame), figure(frame), args.out, "sweep", dpi=100)
+        return
     names = args.only or PRESETS[args.preset]["settings"]
     frame = run_all(names, args.preset, args.runs, progress=not args.quiet)
     steps_csv = args.out / "sweep_steps.csv"
