@@ -62,7 +62,8 @@ def parse_args(
         extra(ap)
     args = ap.parse_args(argv)
     # one thread unless OMP_NUM_THREADS says otherwise: the thread count changes the trajectories (reduction order)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    threads = os.environ.get("OMP_NUM_THREADS", "1").split(",")[0]
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
     if args.runs is None:
         args.runs = runs if isinstance(runs, Path) else runs(args.preset)
     return args
@@ -74,6 +75,7 @@ def committed(name: str) -> pd.DataFrame:
     Example:
         >>> frame = committed("compare_steps.csv")  # doctest: +SKIP
     """
+    print(f"replotting from {RESULTS / name}")
     return pd.read_csv(RESULTS / name)
 
 

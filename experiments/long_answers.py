@@ -125,12 +125,12 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     summary = g[cols].agg(["mean", "std"])
     summary.columns = [f"{c}_{s.replace('std', 'sd')}" for c, s in summary.columns]
     summary.insert(0, "seeds", g.seed.nunique())
-    gaps = g.apply(
-        lambda r: pd.Series(
-            {**gap_columns(r.gap_to_grpo), **gap_columns(r.heldout_gap_to_grpo, "heldout_gap_to_grpo")}
-        ),
-        include_groups=False,
-    )
+    gaps = pd.DataFrame(  # (GRPO against itself has no gap)
+        {
+            key: {**gap_columns(r.gap_to_grpo), **gap_columns(r.heldout_gap_to_grpo, "heldout_gap_to_grpo")}
+            for key, r in runs[runs.arm != "GRPO"].groupby(["answer_len", "arm"], sort=False)
+        }
+    ).T.rename_axis(["answer_len", "arm"])
     return summary.join(gaps).reset_index()
 
 

@@ -70,7 +70,15 @@ SETTINGS = {
             "task": ("pair_sum", 16),
             "lr": lr,
         }
-        for e, k, n, lr in ((16, 1, 4, 1e-3), (16, 2, 4, 1e-3), (16, 1, 8, 1e-3), (16, 1, 4, 3e-3))
+        for e, k, n, lr in (
+            (16, 1, 4, 1e-3),
+            (16, 2, 4, 1e-3),
+            (16, 1, 8, 1e-3),
+            (16, 1, 4, 3e-3),  # round 1 of the search
+            (16, 2, 4, 3e-3),
+            (64, 2, 4, 1e-3),
+            (64, 2, 4, 3e-3),  # round 2: top-2 (top-1's share stayed ~0)
+        )
     },
 }
 KL_TARGET = 1e-2  # nats per answer token per GRPO step: the median at lr 1e-4 in the base setting (mismatch runs)
@@ -224,22 +232,23 @@ def main() -> None:
             if not done.exists():  # resumable: each setting and seed is kept as it finishes
                 write_table(probe(name, seed, p, args.runs / WARM_STARTS.name, not args.quiet), done)
             frames.append(pd.read_csv(done))
+    name = "scaling" if not args.preset.startswith("gate") else f"scaling_{args.preset}"  # (never the full run's files)
     warm = warm_rewards(p, args.runs / WARM_STARTS.name)
-    write_table(warm, args.out / "scaling_warm_starts.csv")
+    write_table(warm, args.out / f"{name}_warm_starts.csv")
     at_chance = frozenset(warm.groupby("setting").warm_start_reward.mean().loc[lambda r: r < LEARNED].index)
     columns = ["setting", "varies", "layers", "experts", "top_k", "answer_len", "seed", "lr", "calibrated_kl"]
     frame = pd.concat(frames, ignore_index=True)
     frame = frame[columns + [c for c in frame.columns if c not in columns]]
-    write_table(frame, args.out / "scaling_steps.csv")
+    write_table(frame, args.out / f"{name}_steps.csv")
+    if args.preset.startswith("gate"):  # round 3's gate: its verdict, not the scaling figure
+        verdict = gate_verdict(frame, warm)
+        write_table(verdict, args.out / f"{name}_verdict.csv")
+        print(verdict.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        return
     summary = summarize(frame)
     fit = extrapolate(frame)
     write_table(fit, args.out / "scaling_fit.csv")
     print(fit.to_string(index=False, float_format=lambda v: f"{v:.3g}"))
-    if args.preset.startswith("gate"):  # round 3's gate: its verdict, not the scaling figure
-        verdict = gate_verdict(frame)
-        write_table(verdict, args.out / "scaling_gate.csv")
-        print(verdict.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-        return
     publish(summary, figure(frame, fit, KL_TARGET, at_chance), args.out, "scaling")
 
 

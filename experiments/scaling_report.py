@@ -32,18 +32,22 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 GATE_CHANGE, GATE_SHARE = 0.08, 0.50  # round 3's gate (experiments/round3_plan.md), fixed before its run
+GATE_WARM = 0.15  # a warm start below this per-digit reward has not learned its task (common.LEARNED)
 
 
-def gate_verdict(frame: pd.DataFrame) -> pd.DataFrame:
+def gate_verdict(frame: pd.DataFrame, warm: pd.DataFrame) -> pd.DataFrame:
     """Round 3's gate per setting and seed: the share of expert slots that moved after one update (minibatch 2, the
     first off-policy one, taken after one update since the rollout), averaged over the measured steps; routing's
-    share of the log-ratio variance over minibatches 2..μ; and whether both pass (>= GATE_CHANGE, >= GATE_SHARE)."""
+    share of the log-ratio variance over minibatches 2..μ; the warm start's sampled reward (`warm`, per setting and
+    seed); and whether all pass (>= GATE_CHANGE, >= GATE_SHARE, a warm start that learned: >= GATE_WARM)."""
     g = frame.groupby([*SHAPE, "seed"], sort=False)
     one = frame[frame.minibatch == 1].groupby([*SHAPE, "seed"], sort=False).experts_changed.mean()
     out = g[["var_live", "var_replay", "kl_update"]].mean().join(one.rename("change_per_update"))
     out = out.join(g[["lr"]].first()).reset_index()
     out["share_var"] = 1 - out.var_replay / out.var_live
-    out["passes"] = (out.change_per_update >= GATE_CHANGE) & (out.share_var >= GATE_SHARE)
+    out = out.merge(warm[["setting", "seed", "warm_start_reward"]], on=["setting", "seed"], how="left")
+    learned = out.warm_start_reward >= GATE_WARM
+    out["passes"] = (out.change_per_update >= GATE_CHANGE) & (out.share_var >= GATE_SHARE) & learned
     return out
 
 

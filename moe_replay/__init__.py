@@ -13,7 +13,7 @@ from .engines import record_routes, replay_routes
 from .engines.hf import find_routers
 from .errors import ReplayError, RoutesFileError, UnsupportedGenerationError, UnsupportedModelError
 from .routes import LayerInfo, Routes
-from .routes_packed import Packed, pack_routes, unpack_routes
+from .routes_packed import Packed, PackedRoutes, pack_routes, unpack_routes
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "ExpertChange",
     "LayerInfo",
     "Packed",
+    "PackedRoutes",
     "ReplayError",
     "Routes",
     "RoutesFileError",

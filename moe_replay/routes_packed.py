@@ -17,13 +17,33 @@ import torch
 
 from .routes import Routes
 from .routes_index import is_integer_scalar
+from .routes_placed import PlacedRoutes
+
+
+class PackedRoutes(PlacedRoutes):
+    """A packed row's routes [1, N, L, K] that know their sequences' boundaries (`cu_seqlens`, and
+    `cu_seqlens_padded` where each sequence starts): `replay_routes` replays them only on a forward that runs the
+    row as those packed sequences, and `routes_to_cp` splits them per document.
+
+    Example:
+        >>> pack_routes(routes, attention_mask).routes.cu_seqlens  # doctest: +SKIP
+        (0, 5, 12)
+    """
+
+    PLACE = ("cu_seqlens", "cu_seqlens_padded")
+    cu_seqlens: tuple[int, ...]
+    cu_seqlens_padded: tuple[int, ...]
+
+    def where(self) -> str:
+        """The place in words, for messages."""
+        return f"packed sequences starting at {list(self.cu_seqlens_padded[:-1])}"
 
 
 class Packed(NamedTuple):
-    """`pack_routes`' result: the packed routes [1, N, L, K] and the int32 [B + 1] boundaries that Megatron's
-    `PackedSeqParams` takes (`cu_seqlens_q` / `cu_seqlens_q_padded`)."""
+    """`pack_routes`' result: the packed routes [1, N, L, K] (a `PackedRoutes`) and the int32 [B + 1] boundaries that
+    Megatron's `PackedSeqParams` takes (`cu_seqlens_q` / `cu_seqlens_q_padded`)."""
 
-    routes: Routes
+    routes: PackedRoutes
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
 
@@ -74,7 +94,12 @@ def pack_routes(routes: Routes, attention_mask: torch.Tensor, *, multiple: int =
     mask = routes.mask.new_zeros((1, N))
     at = _packed_positions(cu_padded, lengths).to(routes.device)
     indices[0, at], mask[0, at] = routes.indices[keep], routes.mask[keep]
-    return Packed(Routes._trusted(indices, mask, routes.layers), cu, cu_padded)
+    packed = PackedRoutes.placed(
+        Routes._trusted(indices, mask, routes.layers),
+        cu_seqlens=tuple(cu.tolist()),
+        cu_seqlens_padded=tuple(cu_padded.tolist()),
+    )
+    return Packed(packed, cu, cu_padded)
 
 
 def unpack_routes(
@@ -99,8 +124,11 @@ def unpack_routes(
     keep = _token_mask(attention_mask, packed.device)
     B, T = keep.shape
     lengths = keep.sum(1).cpu()
-    cu = boundaries(cu_seqlens, "cu_seqlens", B)
-    cu_padded = cu if cu_seqlens_padded is None else boundaries(cu_seqlens_padded, "cu_seqlens_padded", B)
+    cu = boundaries(torch.as_tensor(cu_seqlens), "cu_seqlens", B)
+    if cu_seqlens_padded is None and isinstance(packed, PackedRoutes):
+        cu_seqlens_padded = packed.cu_seqlens_padded
+    given = cu_seqlens_padded is not None
+    cu_padded = boundaries(torch.as_tensor(cu_seqlens_padded), "cu_seqlens_padded", B) if given else cu
     own = cu[1:] - cu[:-1]
     if not torch.equal(own, lengths):
         i = int((own != lengths).nonzero()[0])

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..routes import Routes
-from ..routes_packed import Packed
+from ..routes_packed import Packed, PackedRoutes
 from . import hf, megatron
 from .hf.layout import walked
 from .packed import PackedReplayer
@@ -42,9 +42,10 @@ def replay_routes(
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
     `record_routes`; a list of `Routes` (one per micro-batch forward), and a list of modules (a pipeline rank's
     virtual-pipeline chunks), are for megatron-core models. `track_live` also counts how many replayed experts live
-    routing would have changed (`ctx.live_moved()`). A `Packed` (`pack_routes`) replays a packed row only on
-    forwards that run it as packed sequences (transformers: restarting `position_ids`, no attention mask, no cache;
-    megatron-core: `PackedSeqParams` of the same boundaries), refusing any other before it runs.
+    routing would have changed (`ctx.live_moved()`). A packed row's routes (`pack_routes(...)` or its `.routes`)
+    replay only on forwards that run the row as those packed sequences (transformers: restarting `position_ids`, no
+    attention mask, no cache; megatron-core: `PackedSeqParams` of the same boundaries), refusing any other before it
+    runs.
 
     Example:
         >>> with replay_routes(model, routes):  # doctest: +SKIP
@@ -54,9 +55,13 @@ def replay_routes(
         ...     model(row, position_ids=restarting, use_cache=False)
     """
     if isinstance(routes, Packed):  # (a tuple: before the list-of-Routes case)
-        module = _one_module(model)
-        inner = replay_routes(module, routes.routes, track_live=track_live)
-        return PackedReplayer(module, routes, inner, megatron=isinstance(inner, megatron.MegatronRouteReplayer))
+        routes = routes.routes
+    if isinstance(routes, PackedRoutes):
+        if not isinstance(model, nn.Module):
+            raise ValueError("packed routes replay on one model (a megatron-core pipeline's chunks take plain Routes)")
+        plain = Routes._trusted(routes.indices, routes.mask, routes.layers)
+        inner = replay_routes(model, plain, track_live=track_live)
+        return PackedReplayer(model, routes, inner, megatron=isinstance(inner, megatron.MegatronRouteReplayer))
     if walked(model):  # a transformers model a context walked before (as often as once per log-prob chunk)
         return hf.RouteReplayer(model, routes, track_live=track_live)
     if megatron.is_megatron_model(model):

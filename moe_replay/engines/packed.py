@@ -17,16 +17,19 @@ import torch
 from torch import nn
 
 from ..errors import ReplayError
-from ..routes_packed import Packed
+from ..routes_packed import PackedRoutes
+
+CACHES = ("cache", "past_key_values", "cache_params")  # what transformers' forwards call a KV (or state) cache
 
 
 class PackedReplayer:
-    """Context manager returned by `replay_routes(model, packed)`: the replay of `packed.routes` (attributes such as
-    `live_moved` are the inner replay's), with each forward of `model` checked to run the row as packed sequences."""
+    """Context manager returned by `replay_routes(model, packed_routes)`: the replay of the packed row's routes
+    (attributes such as `live_moved` are the inner replay's), with each forward of `model` checked to run the row as
+    those packed sequences."""
 
-    def __init__(self, model: nn.Module, packed: Packed, inner: Any, megatron: bool) -> None:
-        self.model, self.packed, self.inner, self.megatron = model, packed, inner, megatron
-        self._starts = packed.cu_seqlens_padded.tolist()
+    def __init__(self, model: nn.Module, routes: PackedRoutes, inner: Any, megatron: bool) -> None:
+        self.model, self.routes, self.inner, self.megatron = model, routes, inner, megatron
+        self._starts = list(routes.cu_seqlens_padded)
         self._handle = None
 
     def __enter__(self) -> PackedReplayer:
@@ -47,14 +50,15 @@ class PackedReplayer:
         return getattr(self.inner, name)
 
     def _check_transformers(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        bound = inspect.signature(self.model.forward).bind_partial(*args, **kwargs).arguments
+        bound = bound_arguments(self.model.forward, args, kwargs)
+        use_cache = bound.get("use_cache")
         why = None
         if bound.get("attention_mask") is not None:
             why = "it was given an attention_mask (pass attention_mask=None)"
-        elif bound.get("past_key_values") is not None:
+        elif any(bound.get(name) is not None for name in CACHES):
             why = "it was given a KV cache"
-        elif bound.get("use_cache") is not False and getattr(self.model.config, "use_cache", False):
-            why = "it makes a KV cache (use_cache defaults to True in the model's config: pass use_cache=False)"
+        elif use_cache is True or (use_cache is None and getattr(self.model.config, "use_cache", False)):
+            why = "it makes a KV cache (use_cache is on, by argument or in the model's config: pass use_cache=False)"
         elif bound.get("position_ids") is None:
             why = "it was given no position_ids (pass ones that restart at 0 for every sequence)"
         if why is not None:
@@ -68,7 +72,7 @@ class PackedReplayer:
     def _check_positions(self, position_ids: torch.Tensor) -> None:
         """position_ids must restart exactly where the packed sequences start."""
         found = position_ids.reshape(-1)
-        N = self.packed.routes.seq_len
+        N = self.routes.seq_len
         starts = self._starts
         expected = torch.cat([torch.arange(b - a) for a, b in zip(starts[:-1], starts[1:], strict=True)])
         expected = torch.cat([expected, torch.arange(N - starts[-1])]) if N > starts[-1] else expected
@@ -91,9 +95,22 @@ class PackedReplayer:
                 "packed routes replayed on a megatron-core forward without PackedSeqParams(qkv_format='thd'): the "
                 "row would run as one sequence"
             )
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        if cu.reshape(-1).tolist() != self._starts:
-            raise ReplayError(
-                f"the forward's PackedSeqParams have cu_seqlens {cu.reshape(-1).tolist()} but the packed routes' "
-                f"sequences start at {self._starts}"
-            )
+        for side in ("q", "kv"):
+            padded = getattr(params, f"cu_seqlens_{side}_padded")
+            cu = padded if padded is not None else getattr(params, f"cu_seqlens_{side}")
+            if cu is None or cu.reshape(-1).tolist() != self._starts:
+                found = None if cu is None else cu.reshape(-1).tolist()
+                raise ReplayError(
+                    f"the forward's PackedSeqParams have cu_seqlens_{side} {found} but the packed routes' sequences "
+                    f"start at {self._starts}"
+                )
+
+
+def bound_arguments(forward: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by parameter name, a `**kwargs` parameter's flattened among them (a wrapper's keywords)."""
+    sig = inspect.signature(forward)
+    bound = dict(sig.bind_partial(*args, **kwargs).arguments)
+    for p in sig.parameters.values():
+        if p.kind == inspect.Parameter.VAR_KEYWORD and p.name in bound:
+            bound.update(bound.pop(p.name))
+    return bound

@@ -116,10 +116,12 @@ def start_offsets(start: int | Sequence[int] | torch.Tensor | None, requests: in
         return [0] * requests
     if is_integer_scalar(start):
         given = [start] * requests
-    else:
+    elif isinstance(start, torch.Tensor | np.ndarray | list | tuple):
         given = start.tolist() if isinstance(start, torch.Tensor | np.ndarray) else list(start)
         if len(given) != requests:
             raise ValueError(f"{name} has {len(given)} offsets for {requests} requests")
+    else:
+        raise ValueError(f"{name} must be a whole number or one per request, got {start!r}")
     bad = next((g for g in given if not is_integer_scalar(g) or g < 0), None)
     if bad is not None:
         raise ValueError(f"{name} must hold whole numbers >= 0, got {bad!r}")

@@ -83,6 +83,9 @@ def test_vllm_offsets_and_aborted_requests_are_named(generation):
         routes_from_vllm(out, generation.model, prompt_start=[0, 1])
     with pytest.raises(ValueError, match="prompt_start must hold whole numbers >= 0, got -1"):
         routes_from_vllm(out, generation.model, prompt_start=-1)
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(ValueError, match="prompt_start must be a whole number or one per request, got"):
+            routes_from_vllm(out, generation.model, prompt_start=bad)
     with pytest.raises(ValueError, match="split form \\(prompt_routed_experts\\), which always covers the whole"):
         routes_from_vllm(vllm_outputs(generation, split=True)[:1], generation.model, prompt_start=1)
     aborted = vllm_outputs(generation)[:1]

@@ -139,11 +139,13 @@ class RouterReplayContext:
 
     def _model_pre_hook(self, chunk: int) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            if self._cp[0] > 1:  # which CP layout this forward's batch was split in (checked before anything counts)
+                layout = packed_layout((*args, *kwargs.values()))
+                self._check_layout(chunk, layout)
+                self._layout[chunk] = layout
             self._forwards[chunk] += 1
             self._grad_forward[chunk] = torch.is_grad_enabled()
             self._in_forward[chunk] = True
-            if self._cp[0] > 1:  # which CP layout this forward's batch was split in
-                self._layout[chunk] = packed_layout((*args, *kwargs.values()))
             self._forward_starts(chunk)
 
         return hook
@@ -200,6 +202,7 @@ class RouterReplayContext:
     def _router_pre_hook(self, site: Site) -> Any: ...
     def _after_router(self, site: Site, hidden: torch.Tensor) -> None: ...
     def _compare(self, site: Site, live: torch.Tensor, used: torch.Tensor) -> None: ...
+    def _check_layout(self, chunk: int, layout: tuple[int, ...] | None) -> None: ...
     def _forward_starts(self, chunk: int) -> None: ...
     def _forward_ends(self, chunk: int) -> None: ...
     def _finish(self) -> None: ...

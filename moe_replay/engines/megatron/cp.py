@@ -17,15 +17,16 @@ from typing import Any
 
 import torch
 
-from ...routes import IndexLike, LayerInfo, Routes
+from ...routes import Routes
 from ...routes_index import is_integer_scalar
-from ...routes_packed import boundaries
+from ...routes_packed import PackedRoutes, boundaries
+from ...routes_placed import PlacedRoutes
 
 
-class CPRoutes(Routes):
+class CPRoutes(PlacedRoutes):
     """A context-parallel rank's part of a batch's routes, knowing its place: `cp_size`, `cp_rank` and, for a packed
     (THD) row split per document, the whole row's `cu_seqlens_padded` (None: the per-sequence layout). Moving it
-    (`.to`) or selecting sequences keeps the place; anything else (padding, joining, a file) gives a plain `Routes`.
+    (`.to`), selecting sequences and pickling keep the place; padding, joining or a file give a plain `Routes`.
 
     Example:
         >>> part = routes_to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
@@ -33,41 +34,21 @@ class CPRoutes(Routes):
         (1, 'CP rank 1 of 2 (per-sequence layout)')
     """
 
+    PLACE = ("cp_size", "cp_rank", "cu_seqlens_padded")
     cp_size: int
     cp_rank: int
     cu_seqlens_padded: tuple[int, ...] | None
 
-    @classmethod
-    def placed(
-        cls, routes: Routes, cp_size: int, cp_rank: int, cu_seqlens_padded: tuple[int, ...] | None = None
-    ) -> CPRoutes:
-        """`routes` (already in the rank's layout) tagged with its place."""
-        part = object.__new__(cls)
-        part.indices, part.mask, part.layers = routes.indices, routes.mask, routes.layers
-        part.cp_size, part.cp_rank, part.cu_seqlens_padded = int(cp_size), int(cp_rank), cu_seqlens_padded
-        return part
-
-    @classmethod
-    def _trusted(cls, indices: torch.Tensor, mask: torch.Tensor, layers: tuple[LayerInfo, ...]) -> Routes:
-        return Routes._trusted(indices, mask, layers)  # (a join or a file of parts has no single place)
-
     def where(self) -> str:
         """The place in words, for messages."""
-        layout = (
-            "per-sequence"
-            if self.cu_seqlens_padded is None
-            else f"per-document, cu_seqlens_padded {list(self.cu_seqlens_padded)}"
-        )
+        cu = self.cu_seqlens_padded
+        layout = "per-sequence" if cu is None else f"per-document, cu_seqlens_padded {list(cu)}"
         return f"CP rank {self.cp_rank} of {self.cp_size} ({layout} layout)"
 
-    def to(self, device: torch.device | str) -> CPRoutes:
-        return CPRoutes.placed(super().to(device), self.cp_size, self.cp_rank, self.cu_seqlens_padded)
 
-    def __getitem__(self, idx: IndexLike) -> CPRoutes:
-        return CPRoutes.placed(super().__getitem__(idx), self.cp_size, self.cp_rank, self.cu_seqlens_padded)
-
-    def __repr__(self) -> str:
-        return f"CP{super().__repr__()[:-1]}, {self.where()})"
+def part_of(routes: Routes, cp_size: int, cp_rank: int, cu_seqlens_padded: tuple[int, ...] | None) -> CPRoutes:
+    """`routes` (already in the rank's layout) as CP rank `cp_rank`'s part."""
+    return CPRoutes.placed(routes, cp_size=int(cp_size), cp_rank=int(cp_rank), cu_seqlens_padded=cu_seqlens_padded)
 
 
 def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -149,8 +130,8 @@ def routes_to_cp(
     """CP rank `cp_rank`'s part of `routes`, as megatron-core splits the batch for that rank.
 
     Per sequence (default): [B, T'/CP, L, K] with T' = T padded (unrecorded) to a multiple of 2·`cp_size`. A packed
-    row (B = 1, T = `cu_seqlens_padded[-1]`, e.g. from `pack_routes(..., multiple=2 * cp_size)`) is split per
-    document: [1, T/CP, L, K]. The result knows its place, which the Megatron contexts check.
+    row (B = 1, T = `cu_seqlens_padded[-1]`; `pack_routes(..., multiple=2 * cp_size)`'s routes know theirs) is split
+    per document: [1, T/CP, L, K]. The result knows its place, which the Megatron contexts check.
 
     Example:
         >>> part = routes_to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
@@ -162,6 +143,10 @@ def routes_to_cp(
         raise ValueError(f"these routes are already a part ({routes.where()}): split the whole batch's routes")
     check_cp(cp_size, cp_rank)
     cu = _as_cu(cu_seqlens_padded)
+    if isinstance(routes, PackedRoutes):  # a packed row knows its documents
+        if cu is not None and cu != routes.cu_seqlens_padded:
+            raise ValueError(f"cu_seqlens_padded={list(cu)} was given for {routes.where()}")
+        cu = routes.cu_seqlens_padded
     if cu is None:
         full = routes.pad_to(padded_len(routes.seq_len, cp_size))
         idx = cp_positions(full.seq_len, cp_size, cp_rank)
@@ -174,7 +159,7 @@ def routes_to_cp(
         full, idx = routes, thd_cp_positions(cu, cp_size, cp_rank)
     idx = idx.to(full.device)
     part = Routes._trusted(full.indices.index_select(1, idx), full.mask.index_select(1, idx), full.layers)
-    return CPRoutes.placed(part, cp_size, cp_rank, cu)
+    return part_of(part, cp_size, cp_rank, cu)
 
 
 def routes_from_cp(
@@ -213,12 +198,18 @@ def routes_from_cp(
     tagged = [isinstance(p, CPRoutes) for p in parts]
     if any(tagged):
         if not all(tagged) or len({p.cu_seqlens_padded for p in parts}) > 1:
-            raise ValueError("the parts come from different layouts (or some know their place and some do not)")
+            places = [p.where() if isinstance(p, CPRoutes) else "a plain Routes" for p in parts]
+            raise ValueError(f"the parts come from different layouts, or some know their place and some not: {places}")
         cu = first.cu_seqlens_padded
     T = first.seq_len * cp_size
     if cu is not None and cu[-1] != T:
         raise ValueError(
             f"{cp_size} parts of T={first.seq_len} make {T} positions but cu_seqlens_padded ends at {cu[-1]}"
+        )
+    if cu is None and T % (2 * cp_size):
+        raise ValueError(
+            f"{cp_size} parts of T={first.seq_len} make {T} positions, not a multiple of 2 x cp_size = {2 * cp_size}: "
+            "they are not one batch's per-sequence CP parts"
         )
     B, _, L, K = first.shape
     indices = first.indices.new_zeros((B, T, L, K))

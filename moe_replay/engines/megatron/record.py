@@ -16,7 +16,7 @@ from ...errors import ReplayError
 from ...routes import Routes, index_dtype
 from ..autograd import in_backward
 from .context import RouterReplayContext, Site, tp_split
-from .cp import CPRoutes
+from .cp import part_of
 
 
 class MegatronRouteRecorder(RouterReplayContext):
@@ -85,7 +85,7 @@ class MegatronRouteRecorder(RouterReplayContext):
             mask = torch.ones(indices.shape[:2], dtype=torch.bool, device=indices.device)
             routes = Routes._trusted(indices, mask, layers)
             if self._cp[0] > 1:  # this rank's part of the sequence, in the layout its batch was split in
-                routes = CPRoutes.placed(routes, *self._cp, self._layouts[self.sites[0].chunk][n])
+                routes = part_of(routes, *self._cp, self._layouts[self.sites[0].chunk][n])
             out.append(routes)
         return out
 
@@ -104,7 +104,7 @@ class MegatronRouteRecorder(RouterReplayContext):
                     "under context parallelism only forwards of whole sequences of one length join into one part: "
                     "use `rec.batches` (one part per forward)"
                 )
-            return CPRoutes.placed(Routes.cat(batches), *self._cp)
+            return part_of(Routes.cat(batches), *self._cp, None)
         return Routes.cat(batches)
 
 

@@ -93,11 +93,10 @@ class MegatronRouteReplayer(RouterReplayContext):
             raise ReplayError(f"the routes{which} are {routes.where()} but this is CP rank {rank} of {size}")
         return routes.cu_seqlens_padded if placed else None
 
-    def _forward_starts(self, chunk: int) -> None:
-        if self._cp[0] == 1:
-            return
-        n = self._forwards[chunk] - 1 if self.per_forward else 0
-        if n < len(self._layouts) and self._layout[chunk] != self._layouts[n]:
+    def _check_layout(self, chunk: int, layout: tuple[int, ...] | None) -> None:
+        """Under CP, the forward about to start (its batch split in `layout`) must take routes split the same way."""
+        n = self._forwards[chunk] if self.per_forward else 0
+        if n < len(self._layouts) and layout != self._layouts[n]:
 
             def words(cu: tuple[int, ...] | None) -> str:
                 return (
@@ -105,8 +104,8 @@ class MegatronRouteReplayer(RouterReplayContext):
                 )
 
             raise ReplayError(
-                f"forward {n + 1} got {words(self._layout[chunk])} but its routes were split for "
-                f"{words(self._layouts[n])}: split them with routes_to_cp as the batch was split"
+                f"forward {n + 1} got {words(layout)} but its routes were split for {words(self._layouts[n])}: split "
+                "them with routes_to_cp as the batch was split"
             )
 
     def _call_rows(self, site: Site, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -57,7 +57,7 @@ def test_packed_replay_gives_the_padded_forward_and_refuses_a_forward_that_mixes
         logp = token_logp(logits, row)[0]
         inside = torch.cat([torch.arange(n) < n - 1 for n in LENGTHS])[:-1]  # next token in the same sequence
         logp[inside].sum().backward()
-    assert ctx.packed is packed
+    assert ctx.routes is packed.routes
     torch.testing.assert_close(logp[inside], padded_logp[keep[:, 1:].bool()], rtol=1e-5, atol=1e-5)
     for got, want in zip(router_grads(model), expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
@@ -66,8 +66,11 @@ def test_packed_replay_gives_the_padded_forward_and_refuses_a_forward_that_mixes
     with torch.no_grad():
         mixed = token_logp(model(row, position_ids=positions).logits, row)[0]
     assert (mixed[inside] - logp[inside].detach()).abs().max() > 1e-3  # (it really computes something else)
+    from transformers import DynamicCache
+
     refusals = {
-        "makes a KV cache \\(use_cache defaults to True": {"position_ids": positions},
+        "makes a KV cache \\(use_cache is on": {"position_ids": positions},
+        "given a KV cache": {"position_ids": positions, "use_cache": False, "past_key_values": DynamicCache()},
         "given an attention_mask": {
             "position_ids": positions,
             "attention_mask": torch.ones_like(row),
@@ -77,5 +80,9 @@ def test_packed_replay_gives_the_padded_forward_and_refuses_a_forward_that_mixes
         "position 5 is 5, expected 0": {"position_ids": torch.arange(row.shape[1])[None], "use_cache": False},
     }
     for why, kwargs in refusals.items():
-        with pytest.raises(ReplayError, match=why), replay_routes(model, packed), torch.no_grad():
-            model(row, **kwargs)
+        for given in (packed, packed.routes):  # (the routes know they are packed: checked either way)
+            with pytest.raises(ReplayError, match=why), replay_routes(model, given), torch.no_grad():
+                model(row, **kwargs)
+    model.config.use_cache = False  # an explicit use_cache=True still makes a cache
+    with pytest.raises(ReplayError, match="makes a KV cache"), replay_routes(model, packed), torch.no_grad():
+        model(row, position_ids=positions, use_cache=True)

@@ -94,7 +94,7 @@ def test_thd_and_place_errors_name_both_sides():
         routes_to_cp(parts[0], 2, 0)
     with pytest.raises(ValueError, match="part 0 of 2 is CP rank 1 of 2 .* in rank order"):
         routes_from_cp(parts[::-1])
-    with pytest.raises(ValueError, match="some know their place and some do not"):
+    with pytest.raises(ValueError, match="some know their place and some not: .*'a plain Routes'"):
         routes_from_cp([parts[0], Routes(parts[1].indices, parts[1].mask, parts[1].layers)])
     with pytest.raises(ValueError, match="part 0 is CP rank 0 of 2 \\(per-sequence layout\\) but cu_seqlens_padded"):
         routes_from_cp(parts, cu_seqlens_padded=[0, 16])
@@ -104,3 +104,22 @@ def test_thd_and_place_errors_name_both_sides():
     plain = [Routes(p.indices, p.mask, p.layers) for p in parts]
     with pytest.raises(ValueError, match="2 parts of T=8 make 16 positions but cu_seqlens_padded ends at 12"):
         routes_from_cp(plain, cu_seqlens_padded=[0, 12])
+    odd = [Routes(p.indices[:, :3], p.mask[:, :3], p.layers) for p in parts]
+    with pytest.raises(ValueError, match="2 parts of T=3 make 6 positions, not a multiple of 2 x cp_size = 4"):
+        routes_from_cp(odd)
+
+
+def test_placed_routes_from_a_file_or_built_by_hand(tmp_path):
+    """A file holds no place (loading gives a plain Routes); a CPRoutes built by hand needs its place; a pickle (as
+    all_gather_object sends it) keeps it."""
+    import pickle
+
+    part = routes_to_cp(routes(2, 8, 0), 2, 1)
+    part.save(tmp_path / "part.safetensors")
+    assert type(CPRoutes.load(tmp_path / "part.safetensors")) is Routes
+    with pytest.raises(TypeError, match="CPRoutes needs its place \\['cp_size', 'cp_rank', 'cu_seqlens_padded'\\]"):
+        CPRoutes(part.indices, part.mask, part.layers)
+    made = CPRoutes(part.indices, part.mask, part.layers, cp_size=2, cp_rank=1, cu_seqlens_padded=None)
+    assert made.where() == part.where() and made.equal(part)
+    back = pickle.loads(pickle.dumps(part))
+    assert isinstance(back, CPRoutes) and back.place() == part.place()

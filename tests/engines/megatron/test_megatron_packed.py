@@ -73,7 +73,7 @@ def test_packed_row_routes_and_replays_as_the_batch():
         shifted = packed_params(cu, torch.tensor([0, 4, 16], dtype=torch.int32))
         for kwargs, why in (
             ({}, "without PackedSeqParams"),
-            ({"packed_seq_params": shifted}, "cu_seqlens \\[0, 4, 16\\]"),
+            ({"packed_seq_params": shifted}, "cu_seqlens_q \\[0, 4, 16\\]"),
         ):
             with pytest.raises(ReplayError, match=why), torch.no_grad(), replay_routes(model, mine):
                 model(packed["tokens"], packed["position_ids"], None, **kwargs)
