@@ -1,0 +1,172 @@
+"""Round 3's decisive test of "GRPO on MoE needs Routing Replay": GRPO against GRPO + R2 with 6 paired seeds, GSPO
+with 3, in the most favourable regime for routing noise found by the gate (experiments/round3_plan.md).
+
+The gate failed in every setting searched (runs/gate, scaling.py --preset gate / gate_search): no setting reached both
+8% of experts changed per update and a 50% routing share of the log-ratio variance. This runs the setting closest to
+passing, labelled "gate failed": pair sums with 16-token answers, 4 layers, 16 experts top-2, lr 1e-3 (routing's share
+52%, 5.2% of experts changed per update), fp32 sampler, 8 prompts x 8 answers, 8 minibatches per step, 300 steps,
+held-out evaluation on 256 prompts every 10 steps. π_old's log-probs come from the trainer in every arm (R2: the
+trainer's no-grad forward at the sampling weights, whose routes the update replays).
+
+    python experiments/decisive.py --preset quick            # 1 seed, 2 steps: a smoke test
+    python experiments/decisive.py --preset full --shard 0/2  # half the runs (two shards run side by side; resumable)
+    python experiments/decisive.py --preset full              # the rest, then the summary and figure
+
+Writes <out>/decisive_steps.csv, decisive_summary.csv (held-out reward, the mean of the last 3 evaluations, and its
+paired gap to GRPO: mean, standard error, seeds ahead, paired t and sign-test p; p99 |log-ratio| and clipped tokens
+in the first and last 50 steps) and decisive.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+from common import committed, parse_args, publish, running_mean, write_table
+from matplotlib.figure import Figure
+from paired_stats import paired_table
+
+from moe_replay.analysis import plots
+from moe_replay.rl import TrainConfig, train
+
+ARMS = {
+    "GRPO": {"importance_sampling_level": "token", "replay": "off"},
+    "GRPO + R2": {"importance_sampling_level": "token", "replay": "old_logprob"},
+    "GSPO": {"importance_sampling_level": "sequence", "replay": "off"},
+}
+HELDOUT = "eval/sampled/reward"
+SETTING = {"task": "pair_sum", "task_size": 16, "policy": {"num_experts": 16, "num_experts_per_tok": 2}, "lr": 1e-3}
+PRESETS = {
+    "quick": {
+        "seeds": {"GRPO": [0], "GRPO + R2": [0], "GSPO": [0]},
+        "steps": 2,
+        "warm_start_steps": 10,
+        "train": {"prompts": 4, "group_size": 4, "minibatches": 2, "heldout_prompts": 16, "eval_every": 1},
+    },
+    "full": {
+        "seeds": {"GRPO": [0, 1, 2, 3, 4, 5], "GRPO + R2": [0, 1, 2, 3, 4, 5], "GSPO": [0, 1, 2]},
+        "steps": 300,
+        "warm_start_steps": 600,
+        "train": {"prompts": 8, "group_size": 8, "minibatches": 8, "heldout_prompts": 256, "eval_every": 10},
+    },
+}
+
+
+def plan(preset: str) -> list[tuple[int, str]]:
+    """Every (seed, arm) run, seed by seed so that a partial run already pairs the arms."""
+    seeds = PRESETS[preset]["seeds"]
+    return [(s, arm) for s in sorted({s for v in seeds.values() for s in v}) for arm in ARMS if s in seeds[arm]]
+
+
+def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0, 1)) -> pd.DataFrame | None:
+    """Train this shard's runs (every `shard[1]`-th, from `shard[0]`; runs resume if interrupted); with the whole
+    plan (one shard) collect every run's log."""
+    p = PRESETS[preset]
+    k, n = shard
+    frames = []
+    for i, (seed, arm) in enumerate(plan(preset)):
+        if i % n != k:
+            continue
+        tag = arm.lower().replace(" + ", "_").replace(" ", "_")
+        cfg = TrainConfig(
+            output=str(runs / f"{tag}_seed{seed}"),
+            init=str(runs / f"init_seed{seed}"),  # one warm start per seed, shared by the arms
+            seed=seed,
+            steps=p["steps"],
+            warm_start_steps=p["warm_start_steps"],
+            **SETTING,
+            **p["train"],
+            **ARMS[arm],
+        )
+        log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
+        frames.append(log.assign(arm=arm, seed=seed))
+    return pd.concat(frames, ignore_index=True) if n == 1 else None
+
+
+def summarize(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per arm: the held-out reward (mean of the last 3 evaluations) mean ± sd over seeds; its paired gap to GRPO
+    (mean, standard error, sd, seeds ahead, paired t and sign-test p); p99 |log-ratio| and clipped tokens over the
+    first and the last 50 steps (whether the ratio tails grow over training)."""
+    evals = frame.dropna(subset=[HELDOUT]).sort_values("step")
+    last3 = evals.groupby(["arm", "seed"], sort=False)[HELDOUT].apply(lambda v: v.tail(3).mean()).rename("heldout")
+    per_seed = last3.reset_index()
+    gaps = paired_table(per_seed, "heldout").set_index("arm")
+    early, late = frame[frame.step < 50], frame[frame.step >= frame.step.max() - 49]
+    rows = []
+    for arm in ARMS:
+        if arm not in set(frame.arm):
+            continue
+        mine = per_seed[per_seed.arm == arm].heldout
+        gap = gaps.loc[arm] if arm in gaps.index else None
+        rows.append(
+            {
+                "arm": arm,
+                "seeds": len(mine),
+                "heldout_last3_mean": mine.mean(),
+                "heldout_last3_sd": mine.std(),
+                **(
+                    {}
+                    if gap is None
+                    else {
+                        f"gap_to_grpo_{k.removeprefix('gap_')}": gap[k]
+                        for k in ("gap_mean", "gap_se", "seeds_ahead", "p_t", "p_sign")
+                    }
+                ),
+                "p99_log_ratio_first50": early[early.arm == arm]["abs_log_ratio/p99"].mean(),
+                "p99_log_ratio_last50": late[late.arm == arm]["abs_log_ratio/p99"].mean(),
+                "clipped_first50": early[early.arm == arm]["clip_ratio/region_mean"].mean(),
+                "clipped_last50": late[late.arm == arm]["clip_ratio/region_mean"].mean(),
+                "expert_change_per_update": frame[frame.arm == arm].expert_change.mean(),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def figure(frame: pd.DataFrame) -> Figure:
+    """Held-out reward and its paired gap to GRPO over training, p99 |log-ratio| and clipped tokens (mean ± sd over
+    seeds)."""
+    fig = Figure(figsize=(14, 7), layout="constrained")
+    axes = fig.subplots(2, 2).flatten()
+    evals = frame.dropna(subset=[HELDOUT])
+    wide = evals.pivot_table(index=["seed", "step"], columns="arm", values=HELDOUT)
+    gap = wide.sub(wide["GRPO"], axis=0).reset_index().melt(id_vars=["seed", "step"], var_name="arm", value_name="gap")
+    plots.over_training(evals, y=HELDOUT, group="arm", ylabel="held-out reward (256 prompts)", ax=axes[0],
+                        title="held-out reward")  # fmt: skip
+    plots.over_training(gap.dropna(), y="gap", group="arm", ylabel="arm − GRPO, same seed", ax=axes[1],
+                        title="held-out reward gap to GRPO (paired)")  # fmt: skip
+    axes[1].axhline(0.0, color="grey", lw=0.8)
+    smooth = frame.assign(p99=running_mean(frame, "abs_log_ratio/p99", 10))
+    smooth = smooth.assign(clipped=running_mean(frame, "clip_ratio/region_mean", 10))
+    plots.over_training(smooth, y="p99", group="arm", ylabel="p99 |token log-ratio| (10-step mean)", ax=axes[2],
+                        title="ratio tails")  # fmt: skip
+    plots.over_training(smooth, y="clipped", group="arm", ylabel="clipped tokens (10-step mean)", percent=True,
+                        ax=axes[3], title="clipped tokens")  # fmt: skip
+    fig.suptitle(
+        "Round 3, gate failed: pair sums of 16 tokens, 4 layers, 16 experts top-2, lr 1e-3 "
+        f"(mean ± sd over seeds: GRPO {frame[frame.arm == 'GRPO'].seed.nunique()})"
+    )
+    return fig
+
+
+def options(ap: argparse.ArgumentParser) -> None:
+    """decisive.py's own option: `--shard K/N`."""
+    ap.add_argument("--shard", default="0/1", help="run every N-th run from the K-th (K/N), e.g. 0/2 and 1/2 at once")
+
+
+def main() -> None:
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/decisive_{preset}"), extra=options)
+    if args.replot:
+        frame = committed("decisive_steps.csv")
+    else:
+        k, n = (int(x) for x in args.shard.split("/"))
+        frame = run_all(args.preset, args.runs, not args.quiet, (k, n))
+        if frame is None:
+            print(f"shard {k}/{n} done; run without --shard to collect")
+            return
+        write_table(frame, args.out / "decisive_steps.csv")
+    publish(summarize(frame), figure(frame), args.out, "decisive", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
