@@ -60,13 +60,13 @@ def plan(preset: str) -> list[tuple[int, str]]:
 
 
 def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0, 1)) -> pd.DataFrame | None:
-    """Train this shard's runs (every `shard[1]`-th, from `shard[0]`; runs resume if interrupted); with the whole
-    plan (one shard) collect every run's log."""
+    """Train this shard's runs (the seeds s with s % `shard[1]` == `shard[0]`, so that each seed's warm start is
+    made by one process; runs resume if interrupted); with the whole plan (one shard) collect every run's log."""
     p = PRESETS[preset]
     k, n = shard
     frames = []
-    for i, (seed, arm) in enumerate(plan(preset)):
-        if i % n != k:
+    for seed, arm in plan(preset):
+        if seed % n != k:
             continue
         tag = arm.lower().replace(" + ", "_").replace(" ", "_")
         cfg = TrainConfig(
@@ -151,7 +151,7 @@ def figure(frame: pd.DataFrame) -> Figure:
 
 def options(ap: argparse.ArgumentParser) -> None:
     """decisive.py's own option: `--shard K/N`."""
-    ap.add_argument("--shard", default="0/1", help="run every N-th run from the K-th (K/N), e.g. 0/2 and 1/2 at once")
+    ap.add_argument("--shard", default="0/1", help="run the seeds s with s %% N == K (K/N), e.g. 0/2 and 1/2 at once")
 
 
 def main() -> None:
