@@ -77,3 +77,40 @@ def test_packed_row_routes_and_replays_as_the_batch():
         ):
             with pytest.raises(ReplayError, match=why), torch.no_grad(), replay_routes(model, mine):
                 model(packed["tokens"], packed["position_ids"], None, **kwargs)
+
+
+def test_packed_row_with_attention_and_a_block_diagonal_mask_routes_as_the_batch():
+    """With attention (megatron-core's local attention, learned absolute positions): the padded batch under its causal
+    mask and the packed row [1, 16] under a block-diagonal causal mask with restarting positions route every token to
+    the same experts, and the batch's routes packed (`pack_routes`) and replayed on the row force them on perturbed
+    routers, giving the batch's per-token losses. (True THD, with PackedSeqParams, needs Transformer Engine:
+    scripts/megatron_cp_gpu.py.)"""
+    seq = sequence_batch()
+    packed, keep, cu, cu_padded = packed_batch()
+    B, S = seq["tokens"].shape
+    causal = torch.ones(S, S, dtype=torch.bool).triu(1)
+    padded_mask = (causal[None] | ~keep.bool()[:, None, :])[:, None]  # True = masked
+    N = packed["tokens"].shape[1]
+    doc = torch.repeat_interleave(torch.arange(len(cu_padded) - 1), (cu_padded[1:] - cu_padded[:-1]).long())
+    block = (torch.ones(N, N, dtype=torch.bool).triu(1) | (doc[:, None] != doc[None, :]))[None, None]
+    with megatron_cpu(port=free_port()):
+        model = tiny_gpt(model_kwargs={"position_embedding_type": "learned_absolute"})
+        with record_routes(model) as rec:
+            model(seq["tokens"], seq["position_ids"], padded_mask)
+        batch_routes = Routes(rec.routes.indices, rec.routes.mask & keep.bool(), rec.routes.layers)
+        with record_routes(model) as rec:
+            model(packed["tokens"], packed["position_ids"], block)
+        mine = pack_routes(batch_routes, keep, multiple=4)
+        tokens = mine.routes.mask[0]
+        same = (rec.routes.indices[0, tokens].sort(-1).values == mine.routes.indices[0, tokens].sort(-1).values).all()
+        assert same, "the packed row routed some token elsewhere than the padded batch"
+        perturb_routers(model)
+        with torch.no_grad(), replay_routes(model, batch_routes):
+            expected = model(seq["tokens"], seq["position_ids"], padded_mask, labels=seq["labels"])[keep.bool()]
+        plain = Routes(mine.routes.indices, mine.routes.mask, mine.routes.layers)  # (no PackedSeqParams here)
+        with torch.no_grad(), replay_routes(model, plain):
+            got = model(packed["tokens"], packed["position_ids"], block, labels=packed["labels"])[0, tokens]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ReplayError, match="without PackedSeqParams"), torch.no_grad():
+            with replay_routes(model, mine.routes):  # (packed routes: megatron runs a packed row with PackedSeqParams)
+                model(packed["tokens"], packed["position_ids"], block)
