@@ -147,3 +147,18 @@ def test_long_answers_quick_preset(tmp_path, monkeypatch):
     assert summary.heldout_reward_mean.between(0, 1).all() and summary.clipped_mean.between(0, 1).all()
     assert (tmp_path / "runs" / "init_pair_sum16_seed0" / "config.json").exists()  # one warm start per length
     assert mpimg.imread(out / "long_answers.png").shape[1] > 1000
+
+
+def test_decisive_quick_preset(tmp_path, monkeypatch):
+    out = run_quick("decisive.py", tmp_path, monkeypatch)
+    steps = pd.read_csv(out / "decisive_steps.csv")
+    assert set(steps.arm) == {"GRPO", "GRPO + R2", "GSPO"} and steps["eval/sampled/reward"].between(0, 1).all()
+    summary = pd.read_csv(out / "decisive_summary.csv").set_index("arm")
+    assert pd.isna(summary.loc["GRPO", "gap_to_grpo_mean"])  # (the baseline has no gap to itself)
+    assert summary.loc["GRPO + R2", "gap_to_grpo_seeds_ahead"] in {"0/1", "1/1"}
+    assert mpimg.imread(out / "decisive.png").shape[1] > 1000
+    # sharded runs leave the collecting to a run without --shard
+    monkeypatch.setattr(sys, "argv", ["decisive.py", "--preset", "quick", "--quiet", "--shard", "1/2",
+                                      "--out", str(tmp_path / "shard"), "--runs", str(tmp_path / "runs")])  # fmt: skip
+    runpy.run_path(str(ROOT / "experiments" / "decisive.py"), run_name="__main__")
+    assert not (tmp_path / "shard" / "decisive_steps.csv").exists()
