@@ -82,13 +82,14 @@ def packed_params(cu: torch.Tensor, cu_padded: torch.Tensor) -> Any:
 
 def cp_batch(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's part of a batch of whole sequences, split by megatron-core's own get_batch_on_this_cp_rank (0.19
-    added a leading `is_hybrid_cp`)."""
+    added a leading `is_hybrid_cp`, and without `cp_group` splits over the whole world, not the CP group)."""
+    from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    data = dict(data)
+    data, group = dict(data), parallel_state.get_context_parallel_group()
     if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        return get_batch_on_this_cp_rank(data, False)
-    return get_batch_on_this_cp_rank(data)
+        return get_batch_on_this_cp_rank(data, False, cp_group=group)
+    return get_batch_on_this_cp_rank(data, cp_group=group)
 
 
 def refused(model: torch.nn.Module, routes: Any, run: Any) -> str:
