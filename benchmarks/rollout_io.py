@@ -1,5 +1,6 @@
-"""Routes at production size: validated `Routes.load` and the vLLM / SGLang importers against one plain pass over the
-same bytes, side by side in one run (with A/A rows), and the importers' peak memory (fresh subprocesses).
+"""Routes at production size: validated `Routes.load`, the vLLM / SGLang importers and `pack_routes` against one
+plain pass over the same bytes (a base64 decode, a copy), side by side in one run (with A/A rows), and the importers'
+peak memory (fresh subprocesses).
 
     python benchmarks/rollout_io.py            # 256 MiB of routes (L=48, K=8, E=128): a few minutes on 2 cores
     python benchmarks/rollout_io.py --quick    # 64 MiB
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import pickle
 import statistics
 import sys
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 from run import child_stdout, write_rows
 
-from moe_replay import LayerInfo, Routes
+from moe_replay import LayerInfo, Routes, pack_routes
 from moe_replay.integrations.sglang import routes_from_sglang
 from moe_replay.integrations.vllm import routes_from_vllm
 
@@ -130,6 +132,39 @@ def main() -> None:
         t_decode = best(decode, reps)
         t_sglang = best(lambda: routes_from_sglang(responses, LAYERS), reps)
         add("SGLang import vs base64 decode", t_sglang, t_decode, "s", "ratio <= 2", t_sglang / t_decode <= 2)
+        npys = []  # vLLM >= 0.22's server form: base64 of an .npy file, uint8 at <= 256 experts
+        for a in arrays:
+            buf = io.BytesIO()
+            np.save(buf, a.astype(np.uint8))
+            npys.append(base64.b64encode(buf.getvalue()).decode())
+        n = arrays[0].shape[0]
+        server = [
+            {"prompt_token_ids": n // 2, "choices": [{"index": 0, "token_ids": n - n // 2 + 1, "routed_experts": b}]}
+            for b in npys
+        ]
+        t_npy = best(lambda: [np.load(io.BytesIO(base64.b64decode(b))) for b in npys], reps)
+        t_server = best(lambda: routes_from_vllm(server, LAYERS), reps)
+        add(
+            "vLLM server import (base64 .npy) vs base64 decode",
+            t_server,
+            t_npy,
+            "s",
+            "ratio <= 2",
+            t_server / t_npy <= 2,
+        )
+        keep = torch.ones(routes.mask.shape, dtype=torch.bool)
+        keep[::2, : routes.seq_len // 4] = False  # every other row left-padded by a quarter
+        padded = Routes(routes.indices, routes.mask & keep, LAYERS)
+        t_pass = best(lambda: padded.indices.clone(), reps)
+        t_pack = best(lambda: pack_routes(padded, keep), reps)
+        add(
+            "pack_routes vs one memory pass (a copy of the routes)",
+            t_pack,
+            t_pass,
+            "s",
+            "ratio <= 5",
+            t_pack / t_pass <= 5,
+        )
         t_convert = best(lambda: [torch.from_numpy(a).to(torch.uint8) for a in arrays], reps)
         t_vllm = best(lambda: routes_from_vllm(vllm_outputs(arrays), LAYERS), reps)
         add("vLLM import vs int32 -> uint8 conversion", t_vllm, t_convert, "s", "(none)", None)
