@@ -112,8 +112,14 @@ def child(work: str, model_name: str, reps: int, helper: str, collect: bool) -> 
 
 def count(work: str, model_name: str, reps: int, helper: str, collect: bool = True) -> float:
     """Instructions per repetition of `work`, from a fresh process under callgrind."""
+    return counted(__file__, ["--child", work, model_name, str(reps), helper, "gc" if collect else "no-gc"], reps)
+
+
+def counted(script: str, args: list[str], reps: int) -> float:
+    """Instructions per repetition that `python script *args` counts between the helper's start and stop, run under
+    callgrind in a fresh process (one thread, this folder on the path)."""
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null", sys.executable,
-           __file__, "--child", work, model_name, str(reps), helper, "gc" if collect else "no-gc"]  # fmt: skip
+           script, *args]  # fmt: skip
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)

@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -106,14 +103,9 @@ def child(size: str, work: str, reps: int, helper: str) -> None:
 
 def count(size: str, work: str, helper: str) -> float:
     """Instructions per repetition of `work`, from a fresh process under callgrind."""
-    reps = REPS[size]
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null", sys.executable,
-           __file__, "--child", size, work, str(reps), helper]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
-    found = re.search(r"Collected : (\d+)", out.stderr)
-    if out.returncode != 0 or found is None:
-        raise RuntimeError(f"{size} {work} failed:\n{out.stderr[-2000:]}")
-    return int(found.group(1)) / reps
+    from host_instructions import counted
+
+    return counted(__file__, ["--child", size, work, str(REPS[size]), helper], REPS[size])
 
 
 def timed(rounds: int) -> list[dict[str, object]]:
