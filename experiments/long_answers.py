@@ -135,9 +135,9 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(frame: pd.DataFrame) -> Figure:
-    """Clipped tokens, final reward, and the paired gap to GRPO, each against answer length (mean ± sd over seeds;
-    seeds as dots). A length whose warm start left the policy at chance is drawn hollow and not joined to the others:
-    its arms learned nothing, so it says nothing about length."""
+    """Clipped tokens, the held-out reward (the primary metric) and its paired gap to GRPO, each against answer length
+    (mean ± sd over seeds; seeds as dots; lengths not joined: each is its own task and warm start). A length whose warm
+    start left the policy at chance is drawn hollow: its arms learned nothing, so it says nothing about length."""
     runs = summarize(frame)
     seeds = per_run(frame)
     fig = Figure(figsize=(12, 3.8), layout="constrained")
@@ -152,8 +152,8 @@ def figure(frame: pd.DataFrame) -> Figure:
     ]
     panels = [
         ("clipped", "tokens clipped (%)", 100, list(ARMS)),
-        ("final_reward", "final training reward", 1, list(ARMS)),
-        ("gap_to_grpo", "final reward − GRPO's (paired)", 1, [a for a in ARMS if a != "GRPO"]),
+        ("heldout_reward", "held-out reward (last 3 evaluations)", 1, list(ARMS)),
+        ("heldout_gap_to_grpo", "held-out reward − GRPO's (paired)", 1, [a for a in ARMS if a != "GRPO"]),
     ]
     for ax, (col, label, scale, arms) in zip(axes, panels, strict=True):
         for k, arm in enumerate(arms):
@@ -161,7 +161,8 @@ def figure(frame: pd.DataFrame) -> Figure:
             x = np.arange(len(lengths)) + (k - (len(arms) - 1) / 2) * 0.12
             color = f"C{list(ARMS).index(arm)}"
             y, err = part[f"{col}_mean"].to_numpy() * scale, part[f"{col}_sd"].fillna(0).to_numpy() * scale
-            ax.errorbar(x[learned], y[learned], err[learned], fmt="o-", capsize=3, color=color, label=arm)
+            # (not joined: each length is its own task and warm start)
+            ax.errorbar(x[learned], y[learned], err[learned], fmt="o", capsize=3, color=color, label=arm)
             ax.plot(x[~learned], y[~learned], "o", mfc="none", color=color)
             mine = seeds[seeds.arm == arm]
             for i, length in enumerate(lengths):

@@ -109,7 +109,7 @@ def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float, at_chance: 
     warm start did not learn the task) are labelled so on the experts and answer axes."""
     seeds = per_seed(frame)
     stats = summarize(frame)
-    fig = Figure(figsize=(14, 3.8), layout="constrained")
+    fig = Figure(figsize=(14, 5.4), layout="constrained")
     axes = fig.subplots(1, 4, gridspec_kw={"width_ratios": [1.4, 1, 1, 1.3]})
     colors = {"share_var": "C0", "share_clip": "C1"}
     panels = [("depth", ["base", "depth"]), ("experts / top-k", ["base", "experts"]), ("answer", ["length"])]
@@ -131,7 +131,9 @@ def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float, at_chance: 
             labels = [n.replace(", ", "\n") + ("\n(warm start\nat chance)" if n in at_chance else "") for n in names]
             ax.set_xticks(xs, labels, fontsize="small")
             ax.set_xlim(-0.5, len(rows) - 0.5)
-            ax.set_xlabel("4 layers" + (", 16 experts, top-2" if title == "answer" else ""))
+            ax.set_xlabel(
+                "4 layers" + (", 16 experts, top-2" if title == "answer" else "; E and top-k change together")
+            )
         for k, (metric, label) in enumerate(METRICS.items()):
             off = (k - 0.5) * 0.08 if title == "depth" else (k - 0.5) * 0.2
             mean, sd = rows[f"{metric}_mean"].to_numpy() * 100, rows[f"{metric}_sd"].fillna(0).to_numpy() * 100
@@ -142,9 +144,11 @@ def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float, at_chance: 
                 ax.plot([x + off] * len(dots), dots, ".", color=colors[metric], alpha=0.35)
             if title == "depth":
                 extend(ax, fit[fit.metric == label], rows, colors[metric], off)
-        ax.axhline(50, color="gray", lw=0.8, ls=":")
+        ax.axhline(50, color="gray", lw=0.8, ls=":", label="50%: routing half the noise")
         ax.set_ylabel("routing's share (%)")
-    axes[0].legend(fontsize="x-small", loc="upper left")
+        ax.legend(
+            fontsize="xx-small", loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2
+        )  # (below: no data hidden)
     kl = seeds.groupby("setting", sort=False).kl_update.agg(["mean", "std"])
     axes[3].bar(range(len(kl)), kl["mean"], yerr=kl["std"].fillna(0), color="C2", capsize=2)
     axes[3].axhline(kl_target, color="k", lw=0.8, ls="--", label=f"target {kl_target:g}")
@@ -155,8 +159,8 @@ def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float, at_chance: 
     axes[3].set_title("the matched per-update KL, reached", fontsize="medium")
     n = sorted(set(stats.seeds))
     fig.suptitle(
-        "Routing's share of GRPO's token-ratio noise (1 − replayed / live at the same weights), at a matched "
-        f"per-update KL; {'–'.join(map(str, n[:: max(len(n) - 1, 1)]))} seeds per setting, mean ± sd"
+        "Routing's share of GRPO's token-ratio noise (1 − replayed / live), matched per-update KL; "
+        f"{'–'.join(map(str, n[:: max(len(n) - 1, 1)]))} seeds: mean ± sd; 48 layers: 90% intervals"
     )
     return fig
 
@@ -169,7 +173,7 @@ def extend(ax: Axes, fit: pd.DataFrame, depth: pd.DataFrame, color: str, off: fl
         wide = "128" in row.target
         err = np.array([[row.estimate - row.low_90], [row.high_90 - row.estimate]]) * 100
         x = at + off + (0.12 if wide else 0)
-        label = f"{TARGET_LAYERS} layers, {WIDE}" if wide else None
+        label = f"{TARGET_LAYERS} layers, {WIDE}: 90% interval" if wide else f"{TARGET_LAYERS} layers: 90% interval"
         ax.errorbar([x], [row.estimate * 100], err, fmt="D" if wide else "s", color=color, capsize=3,
                     mfc="white" if wide else color, label=label)  # fmt: skip
         if not wide and len(slope):

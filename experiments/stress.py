@@ -129,9 +129,9 @@ def figure(frame: pd.DataFrame) -> Figure:
             y="routes_moved_since_rollout/last_minibatch",
             group="arm",
             percent=True,
-            ylabel="live vs replayed routes, last minibatch",
+            ylabel="live routes moved since the rollout, last minibatch",
             ax=axes[1, col],
-            title="routes moved",
+            title="routes moved (GRPO: live; R3/R2: vs the replayed)",
         )
         if col:
             for ax in axes[:, col]:

@@ -24,7 +24,7 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
-from common import committed, parse_args, publish, running_mean, write_table
+from common import LEARNED, committed, parse_args, publish, running_mean, write_table
 from matplotlib.figure import Figure
 from paired_stats import gap_columns
 
@@ -47,6 +47,20 @@ SETTINGS: dict[str, dict] = {
     "flat": {"router_scale": 0.25},
     "bf16": {"rollout_dtype": "bfloat16"},
     "stress": {"lr": 1e-3, "minibatches": 16, "rollout_dtype": "bfloat16", "router_scale": 0.25},
+}
+TITLES = {  # what each panel changed, in words
+    "base": "base (lr 1e-4, μ 4)",
+    "mu1": "μ 1 (on-policy)",
+    "mu16": "μ 16",
+    "lr1e-3": "lr 1e-3",
+    "long": "8-token answers",
+    "deep": "12 layers",
+    "top1": "top-1",
+    "e64": "64 experts",
+    "sharp": "sharper routers (×4)",
+    "flat": "flatter routers (×0.25)",
+    "bf16": "bf16 sampler",
+    "stress": "stress (lr 1e-3, μ 16, bf16, flat)",
 }
 PRESETS = {
     "quick": {"settings": ["base", "bf16"], "seeds": [0], "steps": 4, "warm_start_steps": 40},
@@ -142,7 +156,13 @@ def figure(frame: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(3.2 * cols, 2.8 * rows + 0.6), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True).flatten()
     for ax, name in zip(axes, names, strict=False):
-        plots.over_training(frame[frame.setting == name], y="smooth", group="arm", ylabel="reward", ax=ax, title=name)
+        part = frame[frame.setting == name]
+        title = TITLES.get(name, name)
+        start = part[part.step < 5].reward_mean.mean()
+        end = part[part.step > part.step.max() * 0.8].reward_mean.mean()
+        # where each panel's reward went (both arms, first 5 steps → last 20%): a flat one learned nothing to compare
+        title += f"\nreward {start:.2f} → {end:.2f}" + (" (warm start at chance)" if start < LEARNED else "")
+        plots.over_training(part, y="smooth", group="arm", ylabel="reward", ax=ax, title=title)
         if ax is not axes[0]:
             ax.get_legend().remove()
     for ax in axes[len(names) :]:
