@@ -1,33 +1,48 @@
 """What recording and replay cost per router call at small batches, where a router call's fixed host cost is not
-hidden behind compute (a decode step, a chunked log-prob forward). Prints a table with the host microseconds moe-replay
-adds per router call, writes it as CSV, ends with `targets met: N/M`.
+hidden behind compute (a decode step, a chunked log-prob forward): timed (the default), in CPU instructions counted
+under valgrind's callgrind (`--count`), or in calls (`--calls`). Timed, it prints the host microseconds moe-replay
+adds per router call, writes a CSV and ends with `targets met: N/M`.
 
     python benchmarks/host_cost.py           # benchmarks/results_host_cost.csv (3-15 minutes on 2 CPU cores)
     python benchmarks/host_cost.py --quick   # fewer repeats (a few minutes); writes results_host_cost_quick.csv
+    python benchmarks/host_cost.py --count   # both models (about 75 minutes): benchmarks/results_host_instructions.csv
+    python benchmarks/host_cost.py --count --models tiny --works "record generate"   # some rows (tiny: about 15
+                                             # minutes); the rows run replace the same rows in the CSV
+    python benchmarks/host_cost.py --count --models group   # group-limited routing (DeepSeek-V3 of the tiny shape)
+    python benchmarks/host_cost.py --calls --top 20   # calls added on the tiny model, the 20 largest named (seconds)
 
-Each ratio is measured side by side in one process against the same work without moe-replay: all the forward
-variants of a model run in one loop (order reversed every round), and so do the generate variants; a ratio is the
-median over rounds of ours / plain within the round, and an A/A row compares two copies of the plain work from the
-same loop. Times are the main thread's CPU time on one torch thread (`time.thread_time`): the host work a GPU run
-would do, less disturbed by other processes than wall time. The ms columns are medians over rounds. With
-`--device cuda` the models and batches are on the GPU and times are wall seconds between synchronizations.
-Extra host time per router call = (ratio - 1) x the plain work's median / the number of router calls in the work (L
-per forward; L per decode step under generate). Replay is measured twice: with the context opened and closed around
-every forward (a log-prob chunk, a minibatch) and with one context around 10 forwards, against 10 plain forwards of
-the same model.
+The works (B=1, no grad): a replayed forward of T=32 tokens with the context opened and closed around it (a log-prob
+chunk, a minibatch), 10 replayed forwards in one context, recording under `generate` of 32 new tokens; each against
+the same work without moe-replay. Timed: all the forward variants of a model run in one loop (order reversed every
+round), and so do the generate variants; a ratio is the median over rounds of ours / plain within the round, and an
+A/A row compares two copies of the plain work from the same loop. Times are the main thread's CPU time on one torch
+thread (`time.thread_time`), the ms columns medians over rounds; `--device cuda`: wall seconds between
+synchronizations on the GPU. Extra host time per router call = (ratio - 1) x the plain work's median / the router
+calls in the work (L per forward; L per decode step under generate).
+`--count`: each work in its own process under callgrind (benchmarks/callgrind.py; needs valgrind and a C compiler),
+N repetitions counted after the imports, the build and 3 uncounted ones. Counts do not move with the machine's
+state; the only noise is when Python's garbage collector runs. `--no-gc` turns it off while counting: exact repeats,
+to compare two versions of the code (the CSV's rows keep it on, as users run).
+`--calls`: the Python and C calls (`sys.setprofile`) and torch functions (a `TorchFunctionMode`) in one repetition
+of each work on the tiny model after warm-up, ours against plain: the same every run, and `--top N` names them.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import csv
 import statistics
+import sys
+import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from callgrind import build_helper, counted, run_counted
 from run import REALISTIC, TINY, build, generate_fn, sync, write_rows
+from torch.overrides import TorchFunctionMode
 
 from moe_replay import record_routes, replay_routes
 
@@ -39,27 +54,25 @@ TARGETS = {  # issue 18: (work, model) -> largest ratio
     ("record generate", "tiny"): 1.02,
     ("record generate", "realistic"): 1.02,
 }
+HELD = 10  # forwards per held-open context in the second replay row
+COUNTED = {  # --count: work -> (ours, plain, repetitions on the tiny model, router calls per repetition per layer)
+    "replay forward": ("ours", "plain", 5, 1),
+    f"replay forward, {HELD} per context": ("held", "plain_held", 2, HELD),
+    "record generate": ("record", "generate", 2, 32),
+}
+LAYERS = {"tiny": 4, "realistic": 8, "group": 4}
 
 
-def interleaved(
-    fns: dict[str, Callable[[], object]], repeats: int, shuffle: random.Random | None = None, device: str = "cpu"
-) -> dict[str, list[float]]:
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str = "cpu") -> dict[str, list[float]]:
     """Main-thread CPU seconds of each function in every round, all run in one loop (order reversed every round,
-    after a warm-up), so that every row compares work done under the same machine state. With `shuffle`, the order is
-    random in every round instead: with many functions, a fixed order (even reversed every round) gives each the same
-    neighbours round after round, and what a neighbour leaves behind (the allocator's and the caches' state) then
-    biases its ratio; a random order turns it into noise. On a CUDA `device`, wall seconds from a synchronized start
-    to a synchronized end instead (what a user waits for: host time the GPU's queue does not hide)."""
+    after a warm-up), so that every row compares work done under the same machine state. On a CUDA `device`, wall
+    seconds from a synchronized start to a synchronized end instead (host time the GPU's queue does not hide)."""
     clock = time.perf_counter if device.startswith("cuda") else time.thread_time
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
     for r in range(repeats):
-        if shuffle is not None:
-            shuffle.shuffle(names)
-        order = names if shuffle is not None or r % 2 else names[::-1]
-        for name in order:
+        for name in list(fns) if r % 2 else list(fns)[::-1]:
             sync(device)
             t0 = clock()
             fns[name]()
@@ -75,14 +88,29 @@ def paired_ratio(ours: list[float], plain: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(ours, plain, strict=True))
 
 
-HELD = 10  # forwards per held-open context in the second replay row
+def model_named(name: str, device: str = "cpu") -> torch.nn.Module:
+    """`tiny` or `realistic` (benchmarks/run.py's shapes), or `group`: a DeepSeek-V3 of the tiny model's shape (4
+    layers, hidden 64, 16 experts, top-2) with group-limited routing (4 groups of 4 experts, the best 2 kept), seed 0,
+    a 1024-token vocabulary."""
+    if name != "group":
+        return build(TINY if name == "tiny" else REALISTIC, device)
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=2, n_group=4,
+        topk_group=2, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0,
+    )  # fmt: skip
+    return DeepseekV3ForCausalLM(config).eval().to(device)
 
 
-def replay_forward(spec: dict, batch: int, length: int, device: str = "cpu") -> tuple[Callable[[], object], ...]:
-    """On one model: (the model, a replayed forward with the context opened and closed around it, `HELD` replayed
-    forwards in one context, one plain forward, `HELD` plain forwards) of one [batch, length] batch, no grad."""
-    model = build(spec, device)
-    ids = torch.randint(1, 1024, (batch, length), generator=torch.Generator().manual_seed(1)).to(device)
+def works(model: torch.nn.Module, device: str = "cpu") -> dict[str, Callable[[], object]]:
+    """On `model`, with one [1, 32] batch, no grad: a replayed forward with the context opened and closed around it
+    (`ours`), `HELD` replayed forwards in one context (`held`), one plain forward (`plain`), `HELD` plain forwards
+    (`plain_held`), recording under `generate` of 32 new tokens (`record`) and the plain `generate`."""
+    ids = torch.randint(1, 1024, (1, 32), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
     routes = rec.routes
@@ -105,35 +133,29 @@ def replay_forward(spec: dict, batch: int, length: int, device: str = "cpu") -> 
             for _ in range(HELD):
                 model(ids)
 
-    return model, ours, held, plain, plain_held
+    record, generate = (generate_fn(model, 1, 32, device, rec) for rec in (True, False))
+    return dict(ours=ours, held=held, plain=plain, plain_held=plain_held, record=record, generate=generate)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes)")
-    ap.add_argument("--csv", type=Path, default=None, help="default: benchmarks/results_host_cost[_quick].csv")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: thread_time sees all work)")
-    ap.add_argument("--device", default="cpu", help="cuda: the same rows on a GPU, in wall seconds (synchronized)")
-    args = ap.parse_args()
+def timed(args: argparse.Namespace) -> int:
+    """The timed rows of both models (the module's docstring)."""
     reps_fwd, reps_gen = (100, 5) if args.quick else (400, 61)
     torch.set_num_threads(args.threads)
     rows, met = [], []
-    for label, spec in (("tiny", TINY), ("realistic", REALISTIC)):
-        model, ours, held, plain, plain_held = replay_forward(spec, batch=1, length=32, device=args.device)
+    for label in ("tiny", "realistic"):
+        model = model_named(label, args.device)
+        fns = works(model, args.device)
         layers = model.config.num_hidden_layers
         scale = 1 if label == "tiny" else 2  # the realistic forward is about 15x slower: fewer repeats (8 rounds
         # were too few: an A/A row at 1.077). The tiny rows take 400 rounds (26 s): medians of 80 rounds of one run
         # ranged 1.071-1.097 for the same replayed forward
         rounds = reps_fwd if label == "tiny" else reps_fwd // scale // HELD * 2
-        forwards = interleaved(
-            {"ours": ours, "held": held, "plain": plain, "plain2": plain, "plain_held": plain_held},
-            max(5, rounds),
-            device=args.device,
-        )
+        order = ("ours", "held", "plain", "plain2", "plain_held")  # plain2: the A/A row's second plain forward
+        forwards = interleaved({n: fns[n.removesuffix("2")] for n in order}, max(5, rounds), device=args.device)
         generates = interleaved(
             {
-                "record": generate_fn(model, 1, 32, args.device, True),
-                "plain": generate_fn(model, 1, 32, args.device, False),
+                "record": fns["record"],
+                "plain": fns["generate"],
                 "plain2": generate_fn(model, 1, 32, args.device, False),
             },
             max(5, reps_gen * 2 // (scale + 1)),  # 61 rounds tiny, 40 realistic (21 left an A/A row at 0.972)
@@ -167,6 +189,117 @@ def main() -> int:
     write_rows(out, rows)
     print(f"targets met: {sum(met)}/{len(met)}")
     return 0
+
+
+def count(args: argparse.Namespace) -> int:
+    """--count: instructions per repetition of each work, ours and plain, each in a fresh process under callgrind."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        helper = build_helper(Path(tmp))
+        for name in args.models:
+            for work in args.works:
+                ours, plain, reps, per_layer = COUNTED[work]
+                reps = max(1, reps // (2 if name == "realistic" else 1))
+                flag = "no-gc" if args.no_gc else "gc"
+                a, b = (counted(__file__, ["--_child", w, name, str(reps), helper, flag], reps) for w in (ours, plain))
+                row = {
+                    "work": f"{work}, {name}, B=1",
+                    "ours_minstr": round(a / 1e6, 3),
+                    "plain_minstr": round(b / 1e6, 3),
+                    "ratio": round(a / b, 4),
+                    "extra_kinstr_per_router_call": round((a - b) / (LAYERS[name] * per_layer) / 1e3, 1),
+                }
+                rows.append(row)
+                print(" | ".join(str(v) for v in row.values()), flush=True)
+    out = args.csv or Path(__file__).with_name("results_host_instructions.csv")
+    if out.exists():  # keep the rows of the other works and models
+        with out.open() as f:
+            done = {r["work"] for r in rows}
+            rows = [r for r in csv.DictReader(f) if r["work"] not in done] + rows
+    write_rows(out, rows)
+    print(f"wrote {out}")
+    return 0
+
+
+class TorchCalls(TorchFunctionMode):
+    """Counts the torch functions called while it is active, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.seen[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def python_calls(fn: Callable[[], object]) -> Counter[str]:
+    """Calls made while `fn()` runs, by 'file:function' (C functions as 'file:C:name', file being the caller's)."""
+    seen: Counter[str] = Counter()
+
+    def profile(frame, event, arg) -> None:  # noqa: ANN001
+        if event == "call":
+            seen[f"{frame.f_code.co_filename.rpartition('/')[2]}:{frame.f_code.co_name}"] += 1
+        elif event == "c_call":
+            seen[f"{frame.f_code.co_filename.rpartition('/')[2]}:C:{getattr(arg, '__qualname__', arg)}"] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def calls(top: int) -> int:
+    """--calls: the calls and torch functions each work adds on the tiny model, per repetition and per router call."""
+    torch.set_num_threads(1)
+    model = model_named("tiny")
+    fns, L = works(model), model.config.num_hidden_layers
+    print("work (tiny, B=1) | calls (Python and C): ours / plain | extra per router call | torch functions: "
+          "ours / plain")  # fmt: skip
+    for name, (ours, plain, _, per_layer) in COUNTED.items():
+        mine, without = fns[ours], fns[plain]
+        for fn in (mine, without, mine, without):  # warm-up: the first contexts learn the router class's facts
+            fn()
+        seen = {}
+        for label, fn in (("ours", mine), ("plain", without)):
+            with TorchCalls() as mode:
+                fn()
+            seen[label] = (python_calls(fn), mode.seen)
+        (py_ours, t_ours), (py_plain, t_plain) = seen["ours"], seen["plain"]
+        n_ours, n_plain = sum(py_ours.values()), sum(py_plain.values())
+        print(f"{name} | {n_ours} / {n_plain} | {(n_ours - n_plain) / (L * per_layer):.1f} | "
+              f"{sum(t_ours.values())} / {sum(t_plain.values())}")  # fmt: skip
+        if top:
+            for where, n in ((py_ours - py_plain) + Counter()).most_common(top):
+                print(f"    +{n} {where}")
+            print(f"    torch functions added: {dict(t_ours - t_plain)}, removed: {dict(t_plain - t_ours)}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--count", action="store_true", help="CPU instructions under callgrind instead of time")
+    mode.add_argument("--calls", action="store_true", help="Python and C calls and torch functions (tiny model)")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes)")
+    ap.add_argument("--csv", type=Path, default=None, help="default: results_host_cost[_quick].csv, --count: "
+                    "results_host_instructions.csv (in benchmarks/)")  # fmt: skip
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: thread_time sees all work)")
+    ap.add_argument("--device", default="cpu", help="cuda: the same rows on a GPU, in wall seconds (synchronized)")
+    ap.add_argument("--models", nargs="+", choices=list(LAYERS), default=["tiny", "realistic"], help="--count's models")
+    ap.add_argument("--works", nargs="+", choices=list(COUNTED), default=list(COUNTED), help="--count's (all three)")
+    ap.add_argument("--no-gc", action="store_true", help="--count: collector off while counting (exact repeats)")
+    ap.add_argument("--top", type=int, default=0, help="--calls: also list the N functions that add the most calls")
+    ap.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._child:
+        work, name, reps, helper, flag = args._child  # this process runs under valgrind, counting `work`
+        torch.set_num_threads(1)
+        run_counted(works(model_named(name))[work], int(reps), helper, collect=flag == "gc")
+        return 0
+    return count(args) if args.count else calls(args.top) if args.calls else timed(args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ peer: RECORD on every router, the forward, `get_recorded_data()` cloned), and re
 (ours: `with replay_routes(model, routes)`; the peer: `set_replay_data(rows)`, REPLAY_FORWARD, forward, backward,
 `clear_global_indices()`). Instructions: each work in its own process under `valgrind --tool=callgrind
 --instr-atstart=no`, the garbage collector off while counting, N repetitions after 3 uncounted ones (the helper of
-host_instructions.py). Writes benchmarks/results_megatron_native.csv (--timed: ..._timed.csv; or --csv).
+benchmarks/callgrind.py). Writes benchmarks/results_megatron_native.csv (--timed: ..._timed.csv; or --csv).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def child(size: str, work: str, reps: int, helper: str) -> None:
 
 def count(size: str, work: str, helper: str) -> float:
     """Instructions per repetition of `work`, from a fresh process under callgrind."""
-    from host_instructions import counted
+    from callgrind import counted
 
     return counted(__file__, ["--child", size, work, str(REPS[size]), helper], REPS[size])
 
@@ -152,7 +152,7 @@ def main() -> int:
     name = "results_megatron_native_timed.csv" if args.timed else "results_megatron_native.csv"
     args.csv = args.csv or Path(__file__).with_name(name)
     sys.path.insert(0, str(Path(__file__).parent))
-    from host_instructions import build_helper
+    from callgrind import build_helper
     from run import write_rows
 
     if args.timed:

@@ -3,6 +3,7 @@
 
     python benchmarks/run.py            # the README's table (a few minutes on 2 CPU cores)
     python benchmarks/run.py --quick    # the same table from smaller runs (under two minutes)
+    python benchmarks/run.py --expert-change   # the expert_change row alone (seconds), printed, no CSV
 
 Each cost is a ratio against the same work without moe-replay, measured side by side in one process, alternating
 the order, median over repeats; an A/A row (the plain run against itself) shows the timing noise of the machine.
@@ -115,16 +116,38 @@ def _peak_child(spec: str, batch: int, new: int, device: str, record: bool) -> N
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
+EXPERT_CHANGE = "expert_change on 1.05e7 entries [64, 2048, 10, 8]"
+
+
+def expert_change_seconds(repeats: int = 3) -> float:
+    """Median seconds of `expert_change` and its three measures (fraction, set_changed, token_changed) on 1.05e7
+    routed entries, [64, 2048, 10, 8] of 64 experts, against the same routes with the batch rolled by one row."""
+    a = torch.rand(64, 2048, 10, 64, generator=torch.Generator().manual_seed(0)).argsort(-1)[..., :8]
+    ra = Routes(a, torch.ones(64, 2048, dtype=torch.bool), [LayerInfo(f"l{i}", 64, 8) for i in range(10)])
+    rb = Routes(a.roll(1, 0), ra.mask, ra.layers)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        c = expert_change(ra, rb)
+        _ = (c.fraction, c.set_changed, c.token_changed)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller runs, same table (under two minutes)")
     ap.add_argument("--csv", type=Path, default=None, help="default: benchmarks/results.csv, or results_quick.csv")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--expert-change", action="store_true", help="time the expert_change row alone (printed, no CSV)")
     ap.add_argument("--_peak", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._peak:
         spec, batch, new, device, record = args._peak
         _peak_child(spec, int(batch), int(new), device, record == "1")
+        return 0
+    if args.expert_change:  # CPU tensors, whatever --device says (as in the table)
+        print(f"{EXPERT_CHANGE}: {expert_change_seconds():.4g} s (median of 3), {torch.get_num_threads()} threads")
         return 0
 
     q, dev = args.quick, args.device
@@ -253,16 +276,7 @@ def main() -> int:
     )
     add("save time vs torch.save of the same tensors", t_save, t_base, "s", "(none)", None)
 
-    a = torch.rand(64, 2048, 10, 64, generator=torch.Generator().manual_seed(0)).argsort(-1)[..., :8]
-    ra = Routes(a, torch.ones(64, 2048, dtype=torch.bool), [LayerInfo(f"l{i}", 64, 8) for i in range(10)])
-    rb = Routes(a.roll(1, 0), ra.mask, ra.layers)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        c = expert_change(ra, rb)
-        _ = (c.fraction, c.set_changed, c.token_changed)
-        times.append(time.perf_counter() - t0)
-    add("expert_change on 1.05e7 entries [64, 2048, 10, 8]", statistics.median(times), None, "s", "(none)", None)
+    add(EXPERT_CHANGE, expert_change_seconds(), None, "s", "(none)", None)
 
     if args.csv is None:  # a quick run never overwrites the committed full results
         args.csv = Path("benchmarks/results_quick.csv" if args.quick else "benchmarks/results.csv")

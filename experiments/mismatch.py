@@ -2,7 +2,7 @@
 and do R3 or the importance-sampling correction close the gap?
 
 The sampler is a bf16 copy of the policy whose weights are first rounded through fp8 e5m2 (an engine simulation, not
-an engine): about 8.6% of routed expert choices differ from the fp32 trainer's (benchmarks/sampler_mismatch.py).
+an engine): about 8.6% of routed expert choices differ from the fp32 trainer's (experiments/sampler_mismatch.py).
 Arms: GRPO, GRPO + R2, GRPO + R3, GRPO + truncated importance sampling (per token, cap 3), GSPO; each with π_old from
 the trainer's recompute and from the sampler. The convergence metric is the held-out reward (greedy and sampled, on
 256 prompts never trained on), not the reward of training batches.

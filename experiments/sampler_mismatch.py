@@ -2,8 +2,12 @@
 mismatch (share of routed expert choices that differ), KL(sampler ‖ trainer) by k3, and |log-ratio| on the sampled
 answer tokens, for bf16, fp16 and fp8-rounded samplers. The fp8 samplers simulate an engine; they are not one.
 
-    python benchmarks/sampler_mismatch.py            # 64 prompts x 8 answers per sampler; writes results_sampler.csv
-    python benchmarks/sampler_mismatch.py --init runs/init   # reuse a warm-started policy (made there if missing)
+    python experiments/sampler_mismatch.py            # 64 prompts x 8 answers per sampler
+    python experiments/sampler_mismatch.py --init runs/init   # reuse a warm-started policy (made there if missing)
+    python experiments/sampler_mismatch.py --out experiments/results   # replace the committed table
+
+Writes <out>/sampler_mismatch.csv (default runs/results; the committed one is experiments/results/sampler_mismatch.csv,
+the table in docs/rl.md).
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import torch
-from run import write_rows
+from common import OUT, RESULTS, write_table
 
 from moe_replay import expert_change, teacher_forced_routes
 from moe_replay.rl.policy import build_policy, warm_start
@@ -35,6 +40,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--init", default=None, help="a warm-started policy directory (made there if missing)")
     ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument(
+        "--out", type=Path, default=OUT, help=f"where the CSV goes (default {OUT}; to commit: --out {RESULTS})"
+    )
     opts = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -61,8 +69,7 @@ def main() -> None:
         }
         rows.append(row)
         print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    out = Path(__file__).with_name("results_sampler.csv")
-    write_rows(out, rows)
+    out = write_table(pd.DataFrame(rows), opts.out / "sampler_mismatch.csv")
     print(f"wrote {out}")
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates docs/six_arms.csv: 50 steps of each of the six example configs (one seed, the shared warm start
-# runs/init), and the columns of docs/rl.md's "Six arms, 50 steps" table. About 5 minutes on 2 CPU cores.
+# Regenerates experiments/results/six_arms.csv: 50 steps of each of the six example configs (one seed, the shared
+# warm start runs/init), and the columns of docs/rl.md's "Six arms, 50 steps" table. About 5 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(mktemp -d)
@@ -27,6 +27,6 @@ for arm in arms:
         "expert_change_per_update": log.expert_change.mean(),
     })
 table = pd.DataFrame(rows)
-table.to_csv("docs/six_arms.csv", index=False)
+table.to_csv("experiments/results/six_arms.csv", index=False)
 print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
 PY

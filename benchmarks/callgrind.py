@@ -1,0 +1,73 @@
+"""Counting CPU instructions under valgrind's callgrind, shared by host_cost.py --count and megatron_native.py.
+
+A script under test runs as a fresh process under `valgrind --tool=callgrind --instr-atstart=no`: its imports, model
+build and warm-up run uninstrumented, and counting runs only between the start and stop of a tiny C helper (built by
+`build_helper`, loaded with ctypes in the child), so the count covers the measured repetitions alone. Needs
+`valgrind`, a C compiler and valgrind's `callgrind.h` (Debian: `apt install valgrind gcc`).
+
+Example (the parent builds the helper and starts the child; the child, this script again, counts `fn`):
+    >>> helper = build_helper(Path(tmp))  # doctest: +SKIP
+    >>> per_repetition = counted(__file__, ["--child", work, str(reps), helper], reps)  # doctest: +SKIP
+    >>> run_counted(fn, reps, helper)  # in the child  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+HELPER = r"""
+#include <valgrind/callgrind.h>
+void start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void stop(void) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS; }
+"""
+
+
+def counted(script: str, args: list[str], reps: int) -> float:
+    """Instructions per repetition that `python script *args` counts between the helper's start and stop, run under
+    callgrind in a fresh process (one thread, this folder on the path)."""
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null", sys.executable,
+           script, *args]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if out.returncode != 0 or found is None:
+        raise RuntimeError(f"{' '.join(cmd[-4:])} failed:\n{out.stderr[-2000:]}")
+    return int(found.group(1)) / reps
+
+
+def build_helper(where: Path) -> str:
+    """Compile the start/stop helper into `where`; returns its path. A clear error if the tools are missing."""
+    missing = [tool for tool in ("valgrind", "cc") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"counting instructions needs {missing} on PATH (Debian: apt install valgrind gcc)")
+    (where / "helper.c").write_text(HELPER)
+    lib = where / "helper.so"
+    made = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(where / "helper.c")],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if made.returncode != 0:
+        raise SystemExit(f"could not build the callgrind helper (is valgrind's callgrind.h installed?):\n{made.stderr}")
+    return str(lib)
+
+
+def run_counted(fn: Callable[[], object], reps: int, helper: str, collect: bool = False) -> None:
+    """In the child under valgrind: `fn` three times uncounted, then `reps` times counted; with `collect` False the
+    garbage collector is run, then turned off while counting (counts that repeat exactly)."""
+    for _ in range(3):
+        fn()
+    lib = ctypes.CDLL(helper)
+    if not collect:
+        gc.collect()
+        gc.disable()
+    lib.start()
+    for _ in range(reps):
+        fn()
+    lib.stop()
