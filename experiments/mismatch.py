@@ -104,24 +104,31 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(frame: pd.DataFrame) -> Figure:
-    """Held-out reward over steps (mean ± sd over seeds) for each π_old source, and the routing mismatch."""
+    """Per π_old source: the held-out reward over steps and its paired gap to GRPO of the same source and seed (the
+    summary's metric), on shared y-axes; and the routing mismatch of every arm (it is the sampler's, whatever the
+    source). Mean ± sd over seeds."""
     evals = frame.dropna(subset=[HELDOUT])
-    fig = Figure(figsize=(13, 4.5), layout="constrained")
-    axes = fig.subplots(1, 3)
-    for ax, source in zip(axes[:2], SOURCES, strict=True):
+    fig = Figure(figsize=(14, 7), layout="constrained")
+    axes = fig.subplots(2, 3)
+    for col, source in enumerate(SOURCES):
         part = evals[evals.source == source]
-        plots.over_training(
-            part, y=HELDOUT, group="method", ylabel="held-out reward (sampled)", ax=ax, title=f"π_old from the {source}"
-        )
-    plots.over_training(
-        frame[frame.source == "trainer"],
-        y="mismatch/fraction",
-        group="method",
-        percent=True,
-        ylabel="routed experts: sampler vs trainer",
-        ax=axes[2],
-        title="routing mismatch",
-    )
+        plots.over_training(part, y=HELDOUT, group="method", ylabel="held-out reward (sampled)", ax=axes[0, col],
+                            title=f"π_old from the {source}")  # fmt: skip
+        wide = part.pivot_table(index=["seed", "step"], columns="method", values=HELDOUT)
+        gap = wide.sub(wide["GRPO"], axis=0).reset_index()  # (GRPO's own 0 stays: every arm keeps its colour)
+        gap = gap.melt(id_vars=["seed", "step"], var_name="method", value_name="gap")
+        plots.over_training(gap, y="gap", group="method", ylabel="arm − GRPO, same source and seed", ax=axes[1, col],
+                            title=f"paired gap to GRPO, π_old from the {source}")  # fmt: skip
+        axes[1, col].axhline(0.0, color="grey", lw=0.8)
+    for row in axes[:, :2]:
+        low = min(ax.get_ylim()[0] for ax in row)
+        high = max(ax.get_ylim()[1] for ax in row)
+        for ax in row:
+            ax.set_ylim(low, high)  # (the two sources' panels on one scale)
+    plots.over_training(frame.assign(arm_source=frame.method + ", " + frame.source), y="mismatch/fraction",
+                        group="arm_source", percent=True, ylabel="routed experts: sampler vs trainer", ax=axes[0, 2],
+                        title="routing mismatch, every arm")  # fmt: skip
+    axes[1, 2].set_visible(False)
     seeds = frame.seed.nunique()
     fig.suptitle(f"bf16 + fp8-e5m2 sampler against an fp32 trainer, tiny MoE (mean ± sd over {seeds} seed(s))")
     return fig
