@@ -36,6 +36,7 @@ ARMS = {
     "GSPO": {"importance_sampling_level": "sequence", "replay": "off"},
 }
 HELDOUT = "eval/sampled/reward"
+UNBOUNDED = "ratio/unbounded_negative_mean"
 SETTING = {"task": "pair_sum", "task_size": 16, "policy": {"num_experts": 16, "num_experts_per_tok": 2}, "lr": 1e-3}
 PRESETS = {
     "quick": {
@@ -117,6 +118,9 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
                 "p99_log_ratio_last50": late[late.arm == arm]["abs_log_ratio/p99"].mean(),
                 "clipped_first50": early[early.arm == arm]["clip_ratio/region_mean"].mean(),
                 "clipped_last50": late[late.arm == arm]["clip_ratio/region_mean"].mean(),
+                # A < 0 with r > 1 + ε: logged since round 3's runs (NaN in a log made before)
+                "unbounded_negative_first50": early[early.arm == arm].get(UNBOUNDED, pd.Series(dtype=float)).mean(),
+                "unbounded_negative_last50": late[late.arm == arm].get(UNBOUNDED, pd.Series(dtype=float)).mean(),
                 "expert_change_per_update": frame[frame.arm == arm].expert_change.mean(),
             }
         )

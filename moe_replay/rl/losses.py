@@ -2,7 +2,8 @@
 
 Shapes: N answers (B prompts x G answers each), T answer tokens (right-padded; `mask` marks real tokens).
 Names follow TRL: `importance_sampling_level` ("token" = GRPO, "sequence" = GSPO, "sequence_token" = GSPO-token),
-`epsilon_low` / `epsilon_high`, and metrics `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`.
+`epsilon_low` / `epsilon_high`, and metrics `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean`
+(and `ratio/unbounded_negative_mean`: A < 0 with r > 1 + ε_high, where clipping bounds nothing).
 """
 
 from __future__ import annotations
@@ -189,12 +190,15 @@ def _metrics(ratio, log_ratio, adv, mask, low, high) -> dict[str, float]:  # noq
         n = max(r.numel(), 1)
         lo, hi = _clipped(r, a, low, high)
         low_c, high_c = lo.sum().item() / n, hi.sum().item() / n
+        # A < 0 and r > 1 + high: the min keeps r·A, so clipping bounds nothing (the tail routing noise would feed)
+        unbounded = ((r > 1 + high) & (a < 0)).sum().item() / n
         abs_lr = log_ratio.detach()[mask].abs().float()
         q = abs_lr.quantile(torch.tensor([0.5, 0.9, 0.99])).tolist() if abs_lr.numel() else [0.0, 0.0, 0.0]
         return {
             "clip_ratio/low_mean": low_c,
             "clip_ratio/high_mean": high_c,
             "clip_ratio/region_mean": low_c + high_c,
+            "ratio/unbounded_negative_mean": unbounded,
             "ratio/mean": r.mean().item() if r.numel() else 1.0,
             "ratio/min": r.min().item() if r.numel() else 1.0,
             "ratio/max": r.max().item() if r.numel() else 1.0,

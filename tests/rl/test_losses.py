@@ -39,8 +39,13 @@ def test_grpo_by_hand():
     # 3 answer tokens: one clipped high (1.5 > 1.27, A > 0), one clipped low (0.5 < 0.8, A < 0)
     assert m["clip_ratio/high_mean"] == pytest.approx(1 / 3) and m["clip_ratio/low_mean"] == pytest.approx(1 / 3)
     assert m["clip_ratio/region_mean"] == pytest.approx(2 / 3)
+    assert m["ratio/unbounded_negative_mean"] == 0.0  # (A < 0 only at ratio 0.5)
     assert m["ratio/max"] == pytest.approx(1.5) and m["ratio/min"] == pytest.approx(0.5)
     assert m["abs_log_ratio/max"] == pytest.approx(math.log(2))
+    # the negative answer's ratio at 1.5 instead: A < 0 with r > 1 + 0.27, which the clip leaves unbounded
+    logp, old, mask = two_answers([math.log(1.1), math.log(1.5)], [math.log(1.5)])
+    _, m = policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask, importance_sampling_level="token")
+    assert m["ratio/unbounded_negative_mean"] == pytest.approx(1 / 3) and m["clip_ratio/low_mean"] == 0.0
 
 
 def test_gspo_by_hand():
