@@ -5,7 +5,6 @@ its modules locally, so every router is named by its global layer number and kno
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import warnings
@@ -59,19 +58,19 @@ def check_version(installed: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-@functools.cache
 def in_tested_range(installed: str) -> bool:
-    """Whether megatron-core version `installed` is in `TESTED_MEGATRON` (a pre-release counts as its release).
+    """Whether megatron-core version `installed` is in `TESTED_MEGATRON`, by its major and minor numbers (a
+    pre-release counts as its release); a version that does not start with them is not.
 
     Example:
-        >>> in_tested_range("0.19.2"), in_tested_range("0.20.0rc1")
-        (True, False)
+        >>> in_tested_range("0.19.2"), in_tested_range("0.20.0rc1"), in_tested_range("dev")
+        (True, False, False)
     """
-    from packaging.version import Version
-
-    low, high = TESTED_MEGATRON
-    release = Version(Version(installed).base_version)  # (a 0.20 pre-release is 0.20)
-    return Version(low) <= release < Version(high)
+    found = re.match(r"(\d+)\.(\d+)", installed)
+    if found is None:
+        return False
+    low, high = (tuple(int(x) for x in bound.split(".")) for bound in TESTED_MEGATRON)
+    return low <= (int(found.group(1)), int(found.group(2))) < high
 
 
 @dataclass
