@@ -19,6 +19,8 @@ from ...errors import UnsupportedModelError
 from ...routes import LayerInfo
 
 TESTED_MEGATRON = ("0.16", "0.20")  # megatron-core >= 0.16, < 0.20: 0.16.1 and 0.19.2 tested, 0.17-0.18 in between
+TESTED_RANGE = tuple(tuple(int(x) for x in bound.split(".")) for bound in TESTED_MEGATRON)  # ((0, 16), (0, 20))
+MAJOR_MINOR = re.compile(r"(\d+)\.(\d+)")
 INSTALL_HINT = "pip install 'moe-replay[megatron]' (megatron-core >= 0.16, < 0.20)"
 
 
@@ -66,11 +68,8 @@ def in_tested_range(installed: str) -> bool:
         >>> in_tested_range("0.19.2"), in_tested_range("0.20.0rc1"), in_tested_range("dev")
         (True, False, False)
     """
-    found = re.match(r"(\d+)\.(\d+)", installed)
-    if found is None:
-        return False
-    low, high = (tuple(int(x) for x in bound.split(".")) for bound in TESTED_MEGATRON)
-    return low <= (int(found.group(1)), int(found.group(2))) < high
+    found = MAJOR_MINOR.match(installed)
+    return found is not None and TESTED_RANGE[0] <= (int(found[1]), int(found[2])) < TESTED_RANGE[1]
 
 
 @dataclass
