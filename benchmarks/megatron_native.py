@@ -16,8 +16,6 @@ benchmarks/callgrind.py). Writes benchmarks/results_megatron_native.csv (--timed
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import statistics
 import sys
 import tempfile
@@ -88,17 +86,10 @@ def child(size: str, work: str, reps: int, helper: str) -> None:
     import torch
 
     torch.set_num_threads(1)
+    from callgrind import run_counted
+
     with session():
-        fn = works(*SIZES[size])[work]
-        for _ in range(3):
-            fn()
-        lib = ctypes.CDLL(helper)
-        gc.collect()
-        gc.disable()
-        lib.start()
-        for _ in range(reps):
-            fn()
-        lib.stop()
+        run_counted(works(*SIZES[size])[work], reps, helper)  # (the garbage collector off while counting)
 
 
 def count(size: str, work: str, helper: str) -> float:
