@@ -103,7 +103,7 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def figure(frame: pd.DataFrame) -> Figure:
+def figure(frame: pd.DataFrame, sampler: str = "bf16 + fp8-e5m2 sampler") -> Figure:
     """Per π_old source: the held-out reward over steps and its paired gap to GRPO of the same source and seed (the
     summary's metric), on shared y-axes; and the routing mismatch of every arm (it is the sampler's, whatever the
     source). Mean ± sd over seeds."""
@@ -130,7 +130,7 @@ def figure(frame: pd.DataFrame) -> Figure:
                         title="routing mismatch, every arm")  # fmt: skip
     axes[1, 2].set_visible(False)
     seeds = frame.seed.nunique()
-    fig.suptitle(f"bf16 + fp8-e5m2 sampler against an fp32 trainer, tiny MoE (mean ± sd over {seeds} seed(s))")
+    fig.suptitle(f"{sampler} against an fp32 trainer, tiny MoE (mean ± sd over {seeds} seed(s))")
     return fig
 
 

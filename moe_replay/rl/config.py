@@ -20,7 +20,9 @@ class TrainConfig:
     replay); `importance_sampling_level`: "token" (GRPO), "sequence" (GSPO) or "sequence_token" (GSPO-token).
 
     The sampler: `rollout_dtype` ("float32", "bfloat16", "float16") after `rollout_weight_quant` ("none",
-    "fp8_e4m3", "fp8_e5m2": an engine-like sampler, simulated). `old_logprob_source`: π_old from the trainer's
+    "fp8_e4m3", "fp8_e5m2": an engine-like sampler, simulated); `rollout_selection_noise` > 0 makes it pick experts
+    by router logits + that std × Gaussian noise while its gating weights stay exact (a sampler that differs only in
+    routing: `rl.route_noise`). `old_logprob_source`: π_old from the trainer's
     recompute ("trainer") or the sampler's own log-probs ("sampler"). `sampler_correction` (with
     `sampler_correction_clip_min` / `_clip_max`) weights each token or answer by exp(log p_trainer − log
     p_sampler), truncated or masked, as TRL's `vllm_importance_sampling_mode`; `off_policy_mask_threshold` drops
@@ -66,6 +68,7 @@ class TrainConfig:
     off_policy_mask_threshold: float | None = None
     rollout_dtype: str = "float32"
     rollout_weight_quant: str = "none"  # "fp8_e4m3" / "fp8_e5m2": round the sampler's weights first (simulated)
+    rollout_selection_noise: float = 0.0  # std of noise on the sampler's expert-selection logits (weights exact)
     heldout_prompts: int = 0  # a fixed set of prompts never trained on (0: none, training as before)
     eval_every: int = 0  # evaluate on the held-out prompts every this many steps (0: never)
     router_scale: float = 1.0  # multiply the warm-started routers' weights: > 1 sharper routing, < 1 flatter

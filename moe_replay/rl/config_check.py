@@ -157,6 +157,11 @@ def check_ranges(cfg: TrainConfig) -> None:
         )
     for key in ("lr", "warm_start_lr", "router_scale"):
         _positive(key, getattr(cfg, key))
+    if not 0 <= cfg.rollout_selection_noise < math.inf:
+        raise ValueError(f"rollout_selection_noise must be a finite std >= 0, got {cfg.rollout_selection_noise}")
+    family = cfg.policy.get("model_type", "qwen3_moe")
+    if cfg.rollout_selection_noise and family != "qwen3_moe":
+        raise ValueError(f"rollout_selection_noise perturbs Qwen3-MoE's router (the default policy), not {family!r}")
     if not cfg.max_grad_norm > 0:
         raise ValueError(
             f"max_grad_norm must be > 0, got {cfg.max_grad_norm}: clipping to a negative norm flips every gradient "

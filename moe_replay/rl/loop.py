@@ -134,7 +134,13 @@ class Run:
             answers,
             group_size=cfg.group_size,
             replay=cfg.replay,
-            sampler=make_sampler(model, cfg.rollout_dtype, cfg.rollout_weight_quant),
+            sampler=make_sampler(
+                model,
+                cfg.rollout_dtype,
+                cfg.rollout_weight_quant,
+                cfg.rollout_selection_noise,
+                torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step),
+            ),  # fmt: skip
             partial_credit=cfg.partial_credit,
             old_logprob_source=cfg.old_logprob_source,
             correction=cfg.sampler_correction,

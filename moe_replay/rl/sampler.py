@@ -13,24 +13,37 @@ import torch
 from torch import nn
 
 from .policy import sampling_kwargs
+from .route_noise import add_selection_noise
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANT = {"none": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
-def make_sampler(model: nn.Module, dtype: str = "float32", weight_quant: str = "none") -> nn.Module | None:
+def make_sampler(
+    model: nn.Module,
+    dtype: str = "float32",
+    weight_quant: str = "none",
+    selection_noise: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> nn.Module | None:
     """An engine-like sampler: a copy of `model` whose floating-point weights are first rounded through
-    `weight_quant` (fp8 e4m3 or e5m2, per tensor, no scale), then cast to `dtype`. None when it would equal `model`.
+    `weight_quant` (fp8 e4m3 or e5m2, per tensor, no scale), then cast to `dtype`; with `selection_noise` > 0 its
+    routers pick experts by logits + that std × Gaussian noise from `generator` while keeping the trainer's gating
+    weights (`route_noise.add_selection_noise`). None when it would equal `model`.
 
     Example:
         >>> sampler = make_sampler(model, "bfloat16", "fp8_e4m3")  # doctest: +SKIP
+        >>> noise = torch.Generator().manual_seed(0)  # doctest: +SKIP
+        >>> only_routes = make_sampler(model, selection_noise=0.04, generator=noise)  # doctest: +SKIP
     """
     if dtype not in DTYPES or weight_quant not in QUANT:
         raise ValueError(f"dtype must be one of {list(DTYPES)} and weight_quant one of {list(QUANT)}")
-    if dtype == "float32" and weight_quant == "none":
+    if dtype == "float32" and weight_quant == "none" and selection_noise == 0:
         return None
     sampler = copy.deepcopy(model)
+    if selection_noise != 0:
+        add_selection_noise(sampler, selection_noise, torch.Generator() if generator is None else generator)
     fp8 = QUANT[weight_quant]
     if fp8 is not None:
         with torch.no_grad():

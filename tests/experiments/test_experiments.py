@@ -162,3 +162,15 @@ def test_decisive_quick_preset(tmp_path, monkeypatch):
                                       "--out", str(tmp_path / "shard"), "--runs", str(tmp_path / "runs")])  # fmt: skip
     runpy.run_path(str(ROOT / "experiments" / "decisive.py"), run_name="__main__")
     assert not (tmp_path / "shard" / "decisive_steps.csv").exists()
+
+
+def test_fair_r3_quick_preset(tmp_path, monkeypatch):
+    out = run_quick("fair_r3.py", tmp_path, monkeypatch)
+    steps = pd.read_csv(out / "fair_r3_steps.csv")
+    assert steps.arm.nunique() == 8 and (steps["mismatch/fraction"] > 0).all()  # the sampler routes differently
+    r3 = steps[steps.method == "GRPO + R3"]
+    assert (r3["sampler/kl_k3"] < 1e-6).all()  # replaying its choices leaves no mismatch: the weights are exact
+    assert (steps[steps.method == "GRPO"]["sampler/kl_k3"] > r3["sampler/kl_k3"].max()).all()
+    summary = pd.read_csv(out / "fair_r3_summary.csv").set_index("arm")
+    assert pd.isna(summary.loc["GRPO, π_old sampler", "gap_to_grpo_mean"]) and len(summary) == 8
+    assert mpimg.imread(out / "fair_r3.png").shape[1] > 800

@@ -1,0 +1,107 @@
+"""A fair test of R3: a sampler that differs from the trainer only in which experts it selects.
+
+Round 2's sampler (mismatch.py: bf16 weights rounded through fp8 e5m2) differs from the trainer in everything, and
+routing is only about a quarter to two fifths of its KL to the trainer, so replaying its routes (R3) could remove
+only that part. Here the sampler is the fp32 trainer itself whose routers pick their experts by logits + 0.04 ×
+Gaussian noise (`rollout_selection_noise`): about 10% of routed expert choices differ from the trainer's at the warm
+start, as the R3 paper measures between engines, while the gating weights at the chosen experts, and everything
+else, stay exact. R3 replays those choices and recomputes the gating weights live, so it removes the mismatch
+entirely. Arms as mismatch.py's: GRPO, GRPO + R2, GRPO + R3 with 6 paired seeds and GSPO with 3, each with π_old from
+the trainer's recompute and from the sampler; the setting, steps and held-out metric are round 2's.
+
+Prediction (written before the runs): with π_old from the sampler, R3 − GRPO > 0 (the routing noise in GRPO's ratios
+is removed), and with π_old from the trainer the gap is within noise.
+
+    python experiments/fair_r3.py --preset quick              # every arm, 1 seed, 2 steps: a smoke test
+    python experiments/fair_r3.py --preset full --shard 0/2   # half the seeds (run 1/2 beside it; resumable)
+    python experiments/fair_r3.py --preset full               # the rest, then the summary and the figure
+
+Writes <out>/fair_r3_steps.csv (every step of every run), fair_r3_summary.csv (mismatch.py's columns) and
+fair_r3.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+from common import WARM_STARTS, committed, parse_args, publish, warm_started, write_table
+from mismatch import METHODS, SOURCES, figure, summarize
+
+from moe_replay.rl import TrainConfig, train
+
+NOISE = 0.04  # ~10% of routed expert choices differ at the warm start (--calibrate measures it)
+ARMS = ("GRPO", "GRPO + R2", "GRPO + R3", "GSPO")
+PRESETS = {
+    "quick": {
+        "seeds": {arm: [0] for arm in ARMS},
+        "steps": 2,
+        "warm_start_steps": 10,
+        "eval_every": 1,
+        "heldout": 8,
+        "batch": (4, 4, 2),
+    },  # fmt: skip
+    "full": {
+        "seeds": {arm: [0, 1, 2] if arm == "GSPO" else list(range(6)) for arm in ARMS},
+        "steps": 100,
+        "warm_start_steps": 300,
+        "eval_every": 10,
+        "heldout": 256,
+        "batch": (16, 8, 4),
+    },  # fmt: skip
+}
+
+
+def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0, 1)) -> pd.DataFrame | None:
+    """Train this shard's runs (the seeds s with s % `shard[1]` == `shard[0]`; runs resume if interrupted); with the
+    whole plan (one shard) collect every run's log."""
+    p = PRESETS[preset]
+    k, n = shard
+    frames = []
+    for seed in sorted({s for seeds in p["seeds"].values() for s in seeds}):
+        if seed % n != k:
+            continue
+        init = warm_started(runs / WARM_STARTS.name, steps=p["warm_start_steps"], seed=seed)
+        for source in SOURCES:
+            for method in (arm for arm in ARMS if seed in p["seeds"][arm]):
+                tag = f"{method.lower().replace(' + ', '_')}_{source}_seed{seed}"
+                cfg = TrainConfig(
+                    output=str(runs / tag),
+                    init=str(init),
+                    seed=seed,
+                    steps=p["steps"],
+                    old_logprob_source=source,
+                    heldout_prompts=p["heldout"],
+                    eval_every=p["eval_every"],
+                    rollout_selection_noise=NOISE,
+                    **dict(zip(("prompts", "group_size", "minibatches"), p["batch"], strict=True)),
+                    **METHODS[method],
+                )
+                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
+                frames.append(log.assign(arm=f"{method}, π_old {source}", method=method, source=source, seed=seed))
+    return pd.concat(frames, ignore_index=True) if n == 1 else None
+
+
+def options(ap: argparse.ArgumentParser) -> None:
+    """fair_r3.py's own option: `--shard K/N`."""
+    ap.add_argument("--shard", default="0/1", help="run the seeds s with s %% N == K (K/N), e.g. 0/2 and 1/2 at once")
+
+
+def main() -> None:
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/fair_r3_{preset}"), extra=options)
+    if args.replot:
+        frame = committed("fair_r3_steps.csv")
+    else:
+        k, n = (int(x) for x in args.shard.split("/"))
+        frame = run_all(args.preset, args.runs, not args.quiet, (k, n))
+        if frame is None:
+            print(f"shard {k}/{n} done; run without --shard to collect")
+            return
+        write_table(frame, args.out / "fair_r3_steps.csv")
+    sampler = f"fp32 sampler with selection noise {NOISE} (gating weights exact)"
+    publish(summarize(frame), figure(frame, sampler), args.out, "fair_r3", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
