@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from common import WARM_STARTS, committed, parse_args, publish, warm_started, write_table
 from matplotlib.figure import Figure
@@ -105,8 +106,9 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 def figure(frame: pd.DataFrame, sampler: str = "bf16 + fp8-e5m2 sampler") -> Figure:
     """Per π_old source: the held-out reward over steps and its paired gap to GRPO of the same source and seed (the
-    summary's metric), on shared y-axes; and the routing mismatch of every arm (it is the sampler's, whatever the
-    source). Mean ± sd over seeds."""
+    summary's metric), on shared y-axes; and the routing mismatch and the sampler–trainer KL of every arm (the
+    sampler's, whatever the source; the KL is against the trainer's forward under the arm's replay). Mean ± sd over
+    seeds."""
     evals = frame.dropna(subset=[HELDOUT])
     fig = Figure(figsize=(14, 7), layout="constrained")
     axes = fig.subplots(2, 3)
@@ -128,7 +130,10 @@ def figure(frame: pd.DataFrame, sampler: str = "bf16 + fp8-e5m2 sampler") -> Fig
     plots.over_training(frame.assign(arm_source=frame.method + ", " + frame.source), y="mismatch/fraction",
                         group="arm_source", percent=True, ylabel="routed experts: sampler vs trainer", ax=axes[0, 2],
                         title="routing mismatch, every arm")  # fmt: skip
-    axes[1, 2].set_visible(False)
+    log_kl = np.log10(frame["sampler/kl_k3"].clip(lower=1e-16))  # (mean ± sd of the log: a geometric band)
+    plots.over_training(frame.assign(arm_source=frame.method + ", " + frame.source, log_kl=log_kl), y="log_kl",
+                        group="arm_source", ylabel="log10 KL(sampler ‖ trainer forward), k3", ax=axes[1, 2],
+                        title="sampler–trainer KL, every arm")  # fmt: skip
     seeds = frame.seed.nunique()
     fig.suptitle(f"{sampler} against an fp32 trainer, tiny MoE (mean ± sd over {seeds} seed(s))")
     return fig

@@ -17,7 +17,10 @@ LEVELS = ("token", "sequence", "sequence_token")
 class TrainConfig:
     """One RL run. `replay`: "off", "rollout" (R3: replay the routes recorded while sampling) or "old_logprob" (R2,
     the GSPO paper's Routing Replay: record them in the trainer's no-grad forward at the sampling weights, then
-    replay); `importance_sampling_level`: "token" (GRPO), "sequence" (GSPO) or "sequence_token" (GSPO-token).
+    replay); `replay_max_age` N replays only in a step's first N minibatch updates (routes under N updates old),
+    later ones routing live; `router_gradient_check` also measures the router gradient a live-routed loss would
+    have had (`rl.replay_bias`); `importance_sampling_level`: "token" (GRPO), "sequence" (GSPO) or "sequence_token"
+    (GSPO-token).
 
     The sampler: `rollout_dtype` ("float32", "bfloat16", "float16") after `rollout_weight_quant` ("none",
     "fp8_e4m3", "fp8_e5m2": an engine-like sampler, simulated); `rollout_selection_noise` > 0 makes it pick experts
@@ -61,6 +64,7 @@ class TrainConfig:
     epsilon_low: float | None = None
     epsilon_high: float | None = None
     replay: str = "off"
+    replay_max_age: int | None = None  # replay only in the first N minibatch updates of a step (later ones: live)
     old_logprob_source: str = "trainer"  # "sampler": keep the sampler's own log-probs as π_old
     sampler_correction: str = "none"  # token_/sequence_ truncate / mask: TRL's vllm_importance_sampling_mode
     sampler_correction_clip_max: float | None = 3.0
@@ -73,6 +77,7 @@ class TrainConfig:
     eval_every: int = 0  # evaluate on the held-out prompts every this many steps (0: never)
     router_scale: float = 1.0  # multiply the warm-started routers' weights: > 1 sharper routing, < 1 flatter
     diagnostics: bool = True
+    router_gradient_check: bool = False  # replayed minibatches: also the live-routed router gradient (one more pass)
     checkpoint_every: int = 10
 
     def __post_init__(self) -> None:

@@ -159,6 +159,8 @@ def check_ranges(cfg: TrainConfig) -> None:
         _positive(key, getattr(cfg, key))
     if not 0 <= cfg.rollout_selection_noise < math.inf:
         raise ValueError(f"rollout_selection_noise must be a finite std >= 0, got {cfg.rollout_selection_noise}")
+    if cfg.replay_max_age is not None and (cfg.replay == "off" or cfg.replay_max_age < 1):
+        raise ValueError(f"replay_max_age={cfg.replay_max_age} needs replay on and >= 1 (got replay={cfg.replay!r})")
     family = cfg.policy.get("model_type", "qwen3_moe")
     if cfg.rollout_selection_noise and family != "qwen3_moe":
         raise ValueError(f"rollout_selection_noise perturbs Qwen3-MoE's router (the default policy), not {family!r}")

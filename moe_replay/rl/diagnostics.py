@@ -38,6 +38,28 @@ def pooled_stats(flags: list[dict[str, torch.Tensor]], prefix: str) -> dict[str,
     }
 
 
+def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each metric over the minibatch `rows` (not `step` / `minibatch`), over the rows where it is not
+    NaN. Gives every row every key, in one order (NaN where a row lacks one: a live minibatch under
+    `replay_max_age` has no replay diagnostics), so that they make one log.
+
+    Example:
+        >>> mean_rows([{"step": 1, "loss": 1.0, "x": 2.0}, {"step": 1, "loss": 3.0}])
+        {'loss': 2.0, 'x': 2.0}
+    """
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    for r in rows:
+        filled = {k: r.get(k, float("nan")) for k in keys}
+        r.clear()
+        r.update(filled)
+    means = {}
+    for key in keys:
+        if key not in ("step", "minibatch"):
+            values = [r[key] for r in rows if r[key] == r[key]]  # (not NaN)
+            means[key] = sum(values) / len(values) if values else float("nan")
+    return means
+
+
 def k3_kl(logp_p: torch.Tensor, logp_q: torch.Tensor, mask: torch.Tensor) -> float:
     """KL(p ‖ q) estimated on tokens sampled from p by k3 = e^r − 1 − r, r = log q − log p (mean over `mask`).
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..analysis import expert_change, teacher_forced_routes
 from .config import TrainConfig
-from .diagnostics import EVAL_KEYS, heldout_eval, k3_kl, pooled_stats
+from .diagnostics import EVAL_KEYS, heldout_eval, k3_kl, mean_rows, pooled_stats
 from .policy import build_policy, sampled_reward, scale_routers, warm_start
 from .sampler import make_sampler, mismatch_metrics
 from .step import answer_logp, minibatch_update, rollout
@@ -173,6 +173,8 @@ class Run:
                 max_grad_norm=cfg.max_grad_norm,
                 off_policy_mask_threshold=cfg.off_policy_mask_threshold,
                 live_counterfactual=cfg.diagnostics and cfg.replay != "off",
+                router_gradient=cfg.router_gradient_check,
+                replay=cfg.replay_max_age is None or j < cfg.replay_max_age,
                 flags=flags,
             )
             mb = {"step": self.step + 1, "minibatch": j, **metrics}
@@ -183,9 +185,7 @@ class Run:
                 mb["expert_change"] = expert_change(live, after).fraction
                 live = after
             mb_rows.append(mb)
-        for key in mb_rows[0]:
-            if key not in ("step", "minibatch"):
-                row[key] = sum(r[key] for r in mb_rows) / len(mb_rows)
+        row.update(mean_rows(mb_rows))
         row["clip_ratio/region_first_minibatch"] = mb_rows[0]["clip_ratio/region_mean"]
         row.update(pooled_stats(flags[:1], "first_minibatch"))
         row.update(pooled_stats(flags[1:], "later_minibatches"))

@@ -23,6 +23,7 @@ from ..engines import record_routes, replay_routes
 from ..routes import Routes
 from .config import REPLAY_MODES
 from .losses import Level, clip_fractions, group_advantages, policy_loss
+from .replay_bias import replay_bias, router_gradients, router_parameters
 from .sampler import correction_weights, off_policy_mask, sample_with_logp
 from .tasks import Task
 
@@ -179,6 +180,8 @@ def minibatch_update(
     max_grad_norm: float = 1.0,
     off_policy_mask_threshold: float | None = None,
     live_counterfactual: bool = False,
+    router_gradient: bool = False,
+    replay: bool = True,
     flags: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, float]:
     """One optimizer step of the policy loss on the answers `index` (default: all) of `batch`, replaying its
@@ -186,7 +189,11 @@ def minibatch_update(
     and, with `off_policy_mask_threshold`, the off-policy sequence mask), backward, gradient clipping to
     `max_grad_norm`, step, zero_grad. Returns the loss, the gradient norm before clipping and the loss's metrics;
     `live_counterfactual` adds `clip_ratio/live_counterfactual`: the clip fraction a live-routed forward of the
-    same weights would have had (for replayed batches: what replay changed). `flags`, if given, gets this
+    same weights would have had (for replayed batches: what replay changed), and the replay's bias at these weights
+    (`replay_bias`); `router_gradient` adds the live-routed loss's router gradient norm and its cosine with the
+    replayed one (`router_gradients`: one more forward and backward). The router gradient's norm
+    (`router/grad_norm`) is always logged. `replay=False` routes this minibatch live even if the batch has routes
+    to replay (`replay_max_age`). `flags`, if given, gets this
     minibatch's per-token clip flags and |log-ratio| appended (`clip_fractions`), for statistics pooled over tokens.
 
     Example:
@@ -197,6 +204,8 @@ def minibatch_update(
     idx = slice(None) if index is None else index
     seq, old, adv, mask = batch.sequences[idx], batch.old_logp[idx], batch.advantages[idx], batch.mask[idx]
     routes = batch.train_routes[idx] if batch.train_routes is not None and index is not None else batch.train_routes
+    routes = routes if replay else None
+    live_counterfactual = live_counterfactual and routes is not None
     clip = dict(importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
     extra: dict[str, float] = {}
     if live_counterfactual:
@@ -214,7 +223,20 @@ def minibatch_update(
     loss, metrics = policy_loss(logp, old, adv, mask, weights=weights, **clip)
     if flags is not None:
         flags.append(clip_fractions(logp.detach(), old, adv, mask, **clip))
+    if live_counterfactual:
+        extra.update(replay_bias(live, logp.detach(), mask))
     loss.backward()
+    routers = router_parameters(model)
+    grads = [p.grad for p in routers]
+    extra["router/grad_norm"] = float(
+        torch.stack([g.norm() for g in grads if g is not None] or [torch.zeros(())]).norm()
+    )
+    if router_gradient and routes is not None:
+
+        def live_loss() -> torch.Tensor:
+            return policy_loss(answer_logp(model, seq, batch.prompt_len), old, adv, mask, weights=weights, **clip)[0]
+
+        extra.update(router_gradients(routers, grads, live_loss))
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
