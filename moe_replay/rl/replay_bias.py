@@ -60,4 +60,4 @@ def router_gradients(
     cos = (
         torch.nn.functional.cosine_similarity(a, b, dim=0) if norm > 0 and a.norm() > 0 else torch.tensor(float("nan"))
     )
-    return {"router/grad_norm_live": float(norm), "router/grad_cosine_live": float(cos)}
+    return {"router/grad_norm_live": float(norm), "router/grad_cosine_live": float(cos.clamp(-1, 1))}

@@ -174,3 +174,16 @@ def test_fair_r3_quick_preset(tmp_path, monkeypatch):
     summary = pd.read_csv(out / "fair_r3_summary.csv").set_index("arm")
     assert pd.isna(summary.loc["GRPO, π_old sampler", "gap_to_grpo_mean"]) and len(summary) == 8
     assert mpimg.imread(out / "fair_r3.png").shape[1] > 800
+
+
+def test_why_replay_hurts_quick_preset(tmp_path, monkeypatch):
+    out = run_quick("why_replay_hurts.py", tmp_path, monkeypatch)
+    stale = pd.read_csv(out / "why_replay_hurts_staleness.csv")
+    replayed = stale[stale.arm == "GRPO + R3"]
+    assert replayed["replay_bias/kl_k3"].notna().all() and replayed["router/grad_cosine_live"].between(-1, 1).all()
+    aged = stale[stale.arm == "R3, routes < 4 updates old"].set_index("minibatch")
+    assert aged.loc[:3, "replay_bias/kl_k3"].notna().all() and aged.loc[4:, "replay_bias/kl_k3"].isna().all()
+    assert "replay_bias/kl_k3" not in stale[stale.arm == "GRPO"].dropna(axis=1)
+    summary = pd.read_csv(out / "why_replay_hurts_summary.csv").set_index("arm")
+    assert summary.loc["GRPO + TIS, no replay", "gap_to_r3_seeds_ahead"] in {"0/1", "1/1"}
+    assert mpimg.imread(out / "why_replay_hurts.png").shape[1] > 1000
