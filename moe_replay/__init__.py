@@ -14,6 +14,7 @@ from .engines.hf import find_routers
 from .errors import ReplayError, RoutesFileError, UnsupportedGenerationError, UnsupportedModelError
 from .routes import LayerInfo, Routes
 from .routes_packed import Packed, PackedRoutes, pack_routes, unpack_routes
+from .routes_segments import Segment, assemble_routes, fresh
 
 __version__ = "0.1.0"
 
@@ -25,11 +26,14 @@ __all__ = [
     "ReplayError",
     "Routes",
     "RoutesFileError",
+    "Segment",
     "UnsupportedGenerationError",
     "UnsupportedModelError",
     "__version__",
+    "assemble_routes",
     "expert_change",
     "find_routers",
+    "fresh",
     "measure_mismatch",
     "measure_update_drift",
     "pack_routes",

@@ -7,55 +7,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .routes_check import check_ids
+from .routes_check import check_ids, check_version
 from .routes_index import batch_index
+from .routes_layers import LayerInfo, check_layers, index_dtype, layer_diff
 
 IndexLike = int | slice | Sequence[int] | torch.Tensor
-
-
-@dataclass(frozen=True)
-class LayerInfo:
-    """One router: its qualified module name, its number of experts E and its top-k K.
-
-    Example:
-        >>> LayerInfo("model.layers.0.mlp.gate", num_experts=8, top_k=2)
-        LayerInfo(name='model.layers.0.mlp.gate', num_experts=8, top_k=2)
-    """
-
-    name: str
-    num_experts: int
-    top_k: int
-
-    def __post_init__(self) -> None:
-        counts = (self.num_experts, self.top_k)
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts) or not isinstance(self.name, str):
-            raise ValueError(
-                f"layer {self.name!r}: the name must be a str and num_experts and top_k ints, got "
-                f"{self.num_experts!r}, {self.top_k!r}"
-            )
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"layer {self.name!r}: top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
-
-
-def index_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer dtype that holds expert ids 0..num_experts-1 (uint8 up to 256 experts, int16 above).
-
-    Example:
-        >>> index_dtype(128), index_dtype(257)
-        (torch.uint8, torch.int16)
-    """
-    if num_experts <= 256:
-        return torch.uint8
-    if num_experts <= 2**15:
-        return torch.int16
-    if num_experts <= 2**31:
-        return torch.int32
-    raise ValueError(f"num_experts={num_experts} does not fit int32 expert ids")
 
 
 class Routes:
@@ -64,7 +24,8 @@ class Routes:
     `indices` is [B, T, L, K] in the smallest integer dtype that holds E; `mask` is bool [B, T], True where a
     route was recorded (position t is the decision made when token t was the model's input; padding and the
     last sampled token have none). The K experts of a (token, layer) are a set: their order is whatever the
-    router returned. Values at masked positions are meaningless.
+    router returned. `version` (optional, int32 [B, T]) is the policy version whose forward produced each recorded
+    position (`assemble_routes` sets it; `fresh` bounds its age). Values at masked positions are meaningless.
 
     Example:
         >>> r = Routes(torch.tensor([[[[0, 1]], [[2, 3]]]]), torch.tensor([[True, False]]),
@@ -75,13 +36,20 @@ class Routes:
         (2, 2, 1, 2)
     """
 
-    def __init__(self, indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[LayerInfo]) -> None:
+    def __init__(
+        self,
+        indices: torch.Tensor,
+        mask: torch.Tensor,
+        layers: Sequence[LayerInfo],
+        version: torch.Tensor | None = None,
+    ) -> None:
         layers = check_structure(indices, mask, layers)
         check_ids(indices, mask, layers)
         dtype = index_dtype(max((layer.num_experts for layer in layers), default=1))
         self.indices = indices if indices.dtype == dtype else indices.to(dtype)
         self.mask = mask
         self.layers = layers
+        self.version = check_version(version, mask)
 
     # ---- shape ---------------------------------------------------------------------------------------------
     @property
@@ -133,7 +101,7 @@ class Routes:
         list gives an empty batch (B=0).
         """
         idx = batch_index(idx, self.batch_size, self.device)
-        return Routes._trusted(self.indices[idx], self.mask[idx], self.layers)
+        return Routes._trusted(self.indices[idx], self.mask[idx], self.layers, _at(self.version, idx))
 
     @classmethod
     def cat(cls, parts: Sequence[Routes]) -> Routes:
@@ -153,10 +121,14 @@ class Routes:
                 )
             if p.device != first.device:
                 raise ValueError(f"cannot concatenate Routes on {first.device} and {p.device}")
+        versioned = [p.version is not None for p in parts]
+        if any(versioned) and not all(versioned):
+            raise ValueError(f"cannot concatenate Routes with and without versions (versioned: {versioned})")
         T = max(p.seq_len for p in parts)
         indices = torch.cat([_pad_t(p.indices, T) for p in parts])
         mask = torch.cat([_pad_t(p.mask, T) for p in parts])
-        return cls._trusted(indices, mask, first.layers)
+        version = torch.cat([_pad_t(p.version, T) for p in parts]) if all(versioned) else None
+        return cls._trusted(indices, mask, first.layers, version)
 
     @classmethod
     def from_rows(
@@ -188,17 +160,23 @@ class Routes:
 
     def to(self, device: torch.device | str) -> Routes:
         """Move to a device (indices keep their dtype)."""
-        return Routes._trusted(self.indices.to(device), self.mask.to(device), self.layers)
+        return Routes._trusted(self.indices.to(device), self.mask.to(device), self.layers, _at(self.version, device))
 
     def pad_to(self, seq_len: int) -> Routes:
         """Right-pad the positions to `seq_len` with masked (unrecorded) positions."""
         if seq_len < self.seq_len:
             raise ValueError(f"cannot pad Routes of T={self.seq_len} to a shorter T={seq_len}")
-        return Routes._trusted(_pad_t(self.indices, seq_len), _pad_t(self.mask, seq_len), self.layers)
+        version = None if self.version is None else _pad_t(self.version, seq_len)
+        return Routes._trusted(_pad_t(self.indices, seq_len), _pad_t(self.mask, seq_len), self.layers, version)
 
     def equal(self, other: Routes) -> bool:
-        """True when both hold the same layers, mask, and the same expert sets at every recorded position."""
+        """True when both hold the same layers, mask, the same expert sets and versions (or none) at every recorded
+        position."""
         if self.layers != other.layers or self.shape != other.shape or not torch.equal(self.mask, other.mask):
+            return False
+        if (self.version is None) != (other.version is None):
+            return False
+        if self.version is not None and not torch.equal(self.version[self.mask], other.version[other.mask]):
             return False
         a = self.indices.long().sort(-1).values[self.mask]
         b = other.indices.long().sort(-1).values[other.mask]
@@ -228,10 +206,16 @@ class Routes:
         return load_routes(cls, path, device, validate=validate)
 
     @classmethod
-    def _trusted(cls, indices: torch.Tensor, mask: torch.Tensor, layers: tuple[LayerInfo, ...]) -> Routes:
+    def _trusted(
+        cls,
+        indices: torch.Tensor,
+        mask: torch.Tensor,
+        layers: tuple[LayerInfo, ...],
+        version: torch.Tensor | None = None,
+    ) -> Routes:
         """Build without re-validating values (for slices and joins of already valid Routes)."""
         obj = cls.__new__(cls)
-        obj.indices, obj.mask, obj.layers = indices, mask, layers
+        obj.indices, obj.mask, obj.layers, obj.version = indices, mask, layers, version
         return obj
 
 
@@ -257,25 +241,11 @@ def check_structure(indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[
     return check_layers(layers, K, f"indices have K={K}")
 
 
-def check_layers(layers: Sequence[LayerInfo], K: int, what: str) -> tuple[LayerInfo, ...]:
-    """`layers` as a tuple of `LayerInfo`s with unique names, each of top_k `K` (`what` says whose K it is);
-    raise naming both sides.
-
-    Example:
-        >>> check_layers([LayerInfo("a", 8, 2)], 2, "indices have K=2")
-        (LayerInfo(name='a', num_experts=8, top_k=2),)
-    """
-    layers = tuple(layers)
-    if not all(isinstance(layer, LayerInfo) for layer in layers):
-        raise ValueError(f"layers must be LayerInfo objects, got {[type(x).__name__ for x in layers]}")
-    for layer in layers:
-        if layer.top_k != K:
-            raise ValueError(f"layer {layer.name!r} has top_k={layer.top_k} but {what}")
-    names = [layer.name for layer in layers]
-    twice = next((n for n in names if names.count(n) > 1), None)
-    if twice is not None:
-        raise ValueError(f"layer names must be unique, but {twice!r} appears {names.count(twice)} times")
-    return layers
+def _at(version: torch.Tensor | None, where: Any) -> torch.Tensor | None:
+    """`version` selected by a batch index, or moved to a device (None stays None)."""
+    if version is None:
+        return None
+    return version.to(where) if isinstance(where, (str, torch.device)) else version[where]
 
 
 def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:
@@ -283,13 +253,3 @@ def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:
         return x
     pad = x.new_zeros((x.shape[0], T - x.shape[1], *x.shape[2:]))
     return torch.cat([x, pad], dim=1)
-
-
-def layer_diff(a: Sequence[LayerInfo], b: Sequence[LayerInfo]) -> str:
-    """Describe where two layer lists differ, naming both sides."""
-    if len(a) != len(b):
-        return f"{len(a)} layers vs {len(b)} layers"
-    for x, y in zip(a, b, strict=True):
-        if x != y:
-            return f"{x} vs {y}"
-    return "no difference"

@@ -102,3 +102,27 @@ def _raise_duplicate(indices: torch.Tensor, mask: torch.Tensor, layers: Sequence
                 f"layer {layers[layer].name!r}: the K experts of a token must be distinct"
             )
     raise AssertionError("a duplicate was counted but not found")  # pragma: no cover
+
+
+def check_version(version: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """`version` as the int32 [B, T] tensor `Routes` keeps (None stays None): integer, shaped and placed like `mask`,
+    >= 0 at recorded positions; else ValueError naming both sides.
+
+    Example:
+        >>> check_version(torch.tensor([[0, 1]]), torch.tensor([[True, True]])).dtype
+        torch.int32
+    """
+    if version is None:
+        return None
+    if not isinstance(version, torch.Tensor) or version.dtype.is_floating_point or version.dtype == torch.bool:
+        raise ValueError(f"version must be an integer tensor [B, T], got {getattr(version, 'dtype', type(version))}")
+    if version.shape != mask.shape or version.device != mask.device:
+        raise ValueError(
+            f"version is {tuple(version.shape)} on {version.device}; the mask is {tuple(mask.shape)} on {mask.device}"
+        )
+    recorded = version[mask].long()
+    if recorded.numel() and (recorded.min() < 0 or recorded.max() >= 2**31):
+        raise ValueError(
+            f"versions must be in [0, 2**31) at recorded positions, got {int(recorded.min())}..{int(recorded.max())}"
+        )
+    return version.to(torch.int32)

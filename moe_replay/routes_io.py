@@ -1,4 +1,5 @@
-"""`Routes` files: safetensors holding `indices` and `mask`, with a JSON header (format, version, layers).
+"""`Routes` files: safetensors holding `indices`, `mask` and, if the routes have them, their per-position policy
+`version`s, with a JSON header (format, format version, layers). Format 1 (no versions) still loads.
 
 Example:
     >>> routes.save("r.safetensors"); Routes.load("r.safetensors", validate=False)  # doctest: +SKIP
@@ -14,9 +15,11 @@ import torch
 
 from .errors import RoutesFileError
 from .routes import LayerInfo, Routes, check_structure, index_dtype
+from .routes_check import check_version
 
 FORMAT_NAME = "moe-replay.routes"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: an optional `version` tensor
+READS = ("1", "2")
 
 
 def save_routes(routes: Routes, path: str | os.PathLike) -> None:
@@ -29,6 +32,8 @@ def save_routes(routes: Routes, path: str | os.PathLike) -> None:
         "layers": json.dumps([asdict(layer) for layer in routes.layers]),
     }
     tensors = {"indices": routes.indices.contiguous().cpu(), "mask": routes.mask.contiguous().cpu()}
+    if routes.version is not None:
+        tensors["version"] = routes.version.contiguous().cpu()
     save_file(tensors, os.fspath(path), metadata=meta)
 
 
@@ -50,14 +55,18 @@ def load_routes(
                     f"{path} is not a moe-replay routes file: header format is {meta.get('format')!r}, "
                     f"expected {FORMAT_NAME!r}"
                 )
-            if meta.get("version") != str(FORMAT_VERSION):
+            if meta.get("version") not in READS:
                 raise RoutesFileError(
                     f"{path} has routes format version {meta.get('version')!r}; this moe-replay reads "
-                    f"version {FORMAT_VERSION}"
+                    f"versions {', '.join(READS)}"
                 )
-            if keys != {"indices", "mask"}:
-                raise RoutesFileError(f"{path} holds tensors {sorted(keys)}, expected ['indices', 'mask']")
+            allowed = ({"indices", "mask"}, {"indices", "mask", "version"})
+            if keys not in allowed[: 1 + (meta["version"] != "1")]:
+                raise RoutesFileError(
+                    f"{path} holds tensors {sorted(keys)}, expected ['indices', 'mask'] (and 'version' from format 2)"
+                )
             indices, mask = f.get_tensor("indices"), f.get_tensor("mask")
+            version = f.get_tensor("version") if "version" in keys else None
     except (RoutesFileError, FileNotFoundError):
         raise
     except Exception as e:  # safetensors raises its own error types for truncated or malformed files
@@ -65,7 +74,7 @@ def load_routes(
     try:
         layers = check_structure(indices, mask, [LayerInfo(**d) for d in json.loads(meta["layers"])])
         if validate or indices.dtype != index_dtype(max((layer.num_experts for layer in layers), default=1)):
-            return cls(indices, mask, layers)
-        return cls._trusted(indices, mask, layers)
+            return cls(indices, mask, layers, version)
+        return cls._trusted(indices, mask, layers, check_version(version, mask))
     except (ValueError, TypeError, KeyError) as e:
         raise RoutesFileError(f"{path}: inconsistent routes file: {e}") from e

@@ -94,8 +94,11 @@ def pack_routes(routes: Routes, attention_mask: torch.Tensor, *, multiple: int =
     mask = routes.mask.new_zeros((1, N))
     at = _packed_positions(cu_padded, lengths).to(routes.device)
     indices[0, at], mask[0, at] = routes.indices[keep], routes.mask[keep]
+    version = None if routes.version is None else routes.version.new_zeros((1, N))
+    if version is not None:
+        version[0, at] = routes.version[keep]
     packed = PackedRoutes.placed(
-        Routes._trusted(indices, mask, routes.layers),
+        Routes._trusted(indices, mask, routes.layers, version),
         cu_seqlens=tuple(cu.tolist()),
         cu_seqlens_padded=tuple(cu_padded.tolist()),
     )
@@ -145,7 +148,10 @@ def unpack_routes(
     indices = packed.indices.new_zeros((B, T) + packed.shape[2:])
     mask = packed.mask.new_zeros((B, T))
     indices[keep], mask[keep] = packed.indices[0, at], packed.mask[0, at]
-    return Routes._trusted(indices, mask, packed.layers)
+    version = None if packed.version is None else packed.version.new_zeros((B, T))
+    if version is not None:
+        version[keep] = packed.version[0, at]
+    return Routes._trusted(indices, mask, packed.layers, version)
 
 
 def boundaries(cu: torch.Tensor, what: str, sequences: int | None = None) -> torch.Tensor:

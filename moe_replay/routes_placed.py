@@ -28,15 +28,17 @@ class PlacedRoutes(Routes):
 
     PLACE: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, indices: torch.Tensor, mask: torch.Tensor, layers: Any, **place: Any) -> None:
-        super().__init__(indices, mask, layers)
+    def __init__(
+        self, indices: torch.Tensor, mask: torch.Tensor, layers: Any, version: torch.Tensor | None = None, **place: Any
+    ) -> None:
+        super().__init__(indices, mask, layers, version)
         self._set_place(place)
 
     @classmethod
     def placed(cls, routes: Routes, **place: Any) -> PlacedRoutes:
         """`routes` (already laid out at that place) with its place, without re-validating the ids."""
         obj = object.__new__(cls)
-        obj.indices, obj.mask, obj.layers = routes.indices, routes.mask, routes.layers
+        obj.indices, obj.mask, obj.layers, obj.version = routes.indices, routes.mask, routes.layers, routes.version
         obj._set_place(place)
         return obj
 
@@ -51,8 +53,14 @@ class PlacedRoutes(Routes):
         return {key: getattr(self, key) for key in self.PLACE}
 
     @classmethod
-    def _trusted(cls, indices: torch.Tensor, mask: torch.Tensor, layers: tuple[LayerInfo, ...]) -> Routes:
-        return Routes._trusted(indices, mask, layers)  # (a join or a pad of placed routes has no single place)
+    def _trusted(
+        cls,
+        indices: torch.Tensor,
+        mask: torch.Tensor,
+        layers: tuple[LayerInfo, ...],
+        version: torch.Tensor | None = None,
+    ) -> Routes:
+        return Routes._trusted(indices, mask, layers, version)  # (a join or a pad of placed routes has no single place)
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu", *, validate: bool = True) -> Routes:

@@ -158,7 +158,8 @@ def routes_to_cp(
             )
         full, idx = routes, thd_cp_positions(cu, cp_size, cp_rank)
     idx = idx.to(full.device)
-    part = Routes._trusted(full.indices.index_select(1, idx), full.mask.index_select(1, idx), full.layers)
+    version = None if full.version is None else full.version.index_select(1, idx)
+    part = Routes._trusted(full.indices.index_select(1, idx), full.mask.index_select(1, idx), full.layers, version)
     return part_of(part, cp_size, cp_rank, cu)
 
 
@@ -212,18 +213,24 @@ def routes_from_cp(
             "they are not one batch's per-sequence CP parts"
         )
     B, _, L, K = first.shape
+    if len({p.version is None for p in parts}) > 1:
+        raise ValueError(f"some CP parts have versions and some not: {[p.version is not None for p in parts]}")
     indices = first.indices.new_zeros((B, T, L, K))
     mask = first.mask.new_zeros((B, T))
+    version = None if first.version is None else first.version.new_zeros((B, T))
     for r, p in enumerate(parts):
         idx = (cp_positions(T, cp_size, r) if cu is None else thd_cp_positions(cu, cp_size, r)).to(first.device)
         indices[:, idx], mask[:, idx] = p.indices, p.mask
+        if version is not None:
+            version[:, idx] = p.version
     if seq_len is not None:
         if not is_integer_scalar(seq_len) or seq_len < 0:
             raise ValueError(f"seq_len must be a whole number >= 0, got {seq_len!r}")
         if seq_len > T or mask[:, seq_len:].any():
             raise ValueError(f"cannot cut routes of T={T} to seq_len={seq_len}: recorded positions lie beyond it")
         indices, mask = indices[:, :seq_len], mask[:, :seq_len]
-    return Routes._trusted(indices, mask, first.layers)
+        version = None if version is None else version[:, :seq_len]
+    return Routes._trusted(indices, mask, first.layers, version)
 
 
 def cp_place(router: Any) -> tuple[int, int]:

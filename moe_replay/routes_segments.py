@@ -1,0 +1,149 @@
+"""Multi-turn and partial rollouts: assemble one conversation's routes from the forwards that produced it, each with
+its policy version, and bound their age at replay.
+
+The rule: position t's route comes from the sampler forward whose output at t the next token was sampled from; a
+position whose next token was not sampled (prompt, environment or tool tokens) takes the route of the first forward
+that computed it (with a KV cache kept across turns, the one whose KV the later sampled tokens attended to; without
+one, turn 2 re-runs turn 1's positions and its routes there are dropped). Two forwards that both sampled from one
+position with different routes are an error, never an overwrite.
+
+Shapes: B conversations, T positions of the assembled batch, T_s of a segment's batch, L layers, K experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .routes import Routes, layer_diff
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sampler forward's recording within a batch of conversations (a turn, or an answer resumed after an update).
+
+    Attributes:
+        routes: [B, T_s, L, K] as recorded over the segment's own batch.
+        attention_mask: [B, T_s], 1 at that batch's real tokens (its padding is skipped).
+        version: the policy version whose weights ran this forward.
+        sampled_from: per conversation (or one int), the conversation position from which on this forward sampled
+            the next tokens: its input's length − 1 for a `generate` call.
+        start: per conversation (or one int), the conversation position of the segment's first real token: 0 when the
+            forward re-ran the whole conversation, the cached length when it continued a kept KV cache.
+
+    Example:
+        >>> Segment(rec.routes, batch["attention_mask"], version=3, sampled_from=prompt_lengths - 1)  # doctest: +SKIP
+    """
+
+    routes: Routes
+    attention_mask: torch.Tensor
+    version: int
+    sampled_from: int | Sequence[int] | torch.Tensor
+    start: int | Sequence[int] | torch.Tensor = 0
+
+
+def assemble_routes(segments: Sequence[Segment], attention_mask: torch.Tensor) -> Routes:
+    """The routes of B conversations laid out as the trainer's batch `attention_mask` [B, T] (each row's real tokens
+    are its conversation's positions 0, 1, ... in order), with `version` per position, from the `segments` in the
+    order they ran, by the rule of this module. Raises ValueError for segments whose versions go backwards, shapes or
+    layers that disagree, a segment reaching past its conversation, or two segments that sampled from one position
+    with different routes.
+
+    Example:
+        >>> routes = assemble_routes([turn1, turn2], full_batch["attention_mask"])  # doctest: +SKIP
+        >>> routes.version[0, :12]  # doctest: +SKIP
+    """
+    segments = list(segments)
+    if not segments:
+        raise ValueError("assemble_routes needs at least one Segment")
+    keep = torch.as_tensor(attention_mask).bool()
+    B, T = keep.shape
+    for s, seg in enumerate(segments):
+        _check(seg, s, segments, B)
+    first = segments[0].routes
+    columns = [row.nonzero().squeeze(1) for row in keep]  # conversation position p of row i -> its column
+    indices = first.indices.new_zeros((B, T) + first.shape[2:])
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    version = torch.zeros((B, T), dtype=torch.int32)
+    claimed = torch.full((B, T), -1)  # the segment that sampled from a position (-1: none)
+    for s, seg in enumerate(segments):
+        start = _per_row(seg.start, B, "start", s)
+        sampled_from = _per_row(seg.sampled_from, B, "sampled_from", s)
+        for i in range(B):
+            src = seg.attention_mask[i].bool().nonzero().squeeze(1)  # the segment's real tokens, in order
+            conv = start[i] + torch.arange(len(src))
+            if len(src) and int(conv[-1]) >= len(columns[i]):
+                raise ValueError(
+                    f"segment {s}, conversation {i}: it reaches position {int(conv[-1])} but the assembled batch "
+                    f"holds {len(columns[i])} tokens of it"
+                )
+            recorded = seg.routes.mask[i, src]
+            src, conv = src[recorded], conv[recorded]
+            dst, sampled = columns[i][conv], conv >= sampled_from[i]
+            ids = seg.routes.indices[i, src]
+            clash = sampled & (claimed[i, dst] >= 0)
+            differ = clash & (indices[i, dst].sort(-1).values != ids.sort(-1).values).flatten(1).any(1)
+            if differ.any():
+                j = int(differ.nonzero()[0])
+                raise ValueError(
+                    f"conversation {i}, position {int(conv[j])}: segments {int(claimed[i, dst[j]])} and {s} both "
+                    f"sampled from it, with different routes ({indices[i, dst[j]].tolist()} vs {ids[j].tolist()})"
+                )
+            take = (sampled & ~clash) | (~sampled & ~mask[i, dst] & (claimed[i, dst] < 0))
+            indices[i, dst[take]], mask[i, dst[take]], version[i, dst[take]] = ids[take], True, seg.version
+            claimed[i, dst[take & sampled]] = s
+    return Routes(indices, mask, first.layers, version)
+
+
+def _per_row(value: int | Sequence[int] | torch.Tensor, B: int, name: str, s: int) -> torch.Tensor:
+    out = torch.as_tensor(value, dtype=torch.long)
+    if out.dim() == 0:
+        out = out.expand(B)
+    if out.shape != (B,) or (out < 0).any():
+        raise ValueError(f"segment {s}: {name} must be one int >= 0 or one per conversation (B={B}), got {value!r}")
+    return out
+
+
+def _check(seg: Segment, s: int, segments: list[Segment], B: int) -> None:
+    """One segment against the batch and the segments before it; ValueError naming both sides."""
+    if not isinstance(seg, Segment) or not isinstance(seg.routes, Routes):
+        raise ValueError(f"segment {s} must be a Segment holding Routes, got {type(seg).__name__}")
+    if seg.routes.layers != segments[0].routes.layers:
+        raise ValueError(
+            f"segment {s} covers other layers than segment 0: "
+            f"{layer_diff(segments[0].routes.layers, seg.routes.layers)}"
+        )
+    if seg.routes.batch_size != B or tuple(seg.attention_mask.shape) != seg.routes.shape[:2]:
+        raise ValueError(
+            f"segment {s}: routes are B={seg.routes.batch_size}, T={seg.routes.seq_len} and its attention_mask "
+            f"{tuple(seg.attention_mask.shape)}, but the assembled batch has B={B} conversations"
+        )
+    if s and seg.version < segments[s - 1].version:
+        raise ValueError(
+            f"segment {s} has version {seg.version} after segment {s - 1}'s {segments[s - 1].version}: versions "
+            "cannot go backwards within a conversation"
+        )
+
+
+def fresh(routes: Routes, current: int, max_age: int) -> Routes:
+    """`routes` with only the positions produced at most `max_age` versions before `current` still recorded: a
+    replay then routes the older ones live (a staleness bound; off unless you call it). Needs `routes.version`.
+
+    Example:
+        >>> with replay_routes(model, fresh(routes, current=step, max_age=2)):  # doctest: +SKIP
+        ...     logits = model(input_ids).logits
+    """
+    if routes.version is None:
+        raise ValueError("fresh needs routes with versions (assemble_routes gives them); these have none")
+    if not (isinstance(max_age, int) and max_age >= 0):
+        raise ValueError(f"max_age must be an int >= 0, got {max_age!r}")
+    ahead = routes.mask & (routes.version > current)
+    if ahead.any():
+        b, t = (int(x) for x in ahead.nonzero()[0])
+        raise ValueError(
+            f"sequence {b}, position {t} has version {int(routes.version[b, t])}, newer than current={current}"
+        )
+    mask = routes.mask & (current - routes.version <= max_age)
+    return Routes._trusted(routes.indices, mask, routes.layers, routes.version)

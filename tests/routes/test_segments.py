@@ -1,0 +1,160 @@
+"""Multi-turn and partial rollouts: `assemble_routes` builds one conversation's routes from each turn's `generate`
+recording by the segment rule, keeps each position's policy version through files and packing, refuses conflicts,
+and `fresh` bounds the routes' age. The property that matters: replaying the assembled routes gives the sampler's
+log-probs at every model token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import PAD, tiny_qwen3_moe
+
+from moe_replay import Routes, record_routes, replay_routes
+from moe_replay.routes_packed import pack_routes, unpack_routes
+from moe_replay.routes_segments import Segment, assemble_routes, fresh
+
+
+def _left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), PAD)
+    mask = torch.zeros((len(rows), T), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, T - len(r) :], mask[i, T - len(r) :] = r, 1
+    return ids, mask
+
+
+def _turn(model, rows: list[torch.Tensor], new: int, version: int, seed: int):
+    """One `generate` turn over the conversations so far (no cache kept: the whole conversation is re-run)."""
+    ids, mask = _left_pad(rows)
+    torch.manual_seed(seed)
+    with record_routes(model) as rec:
+        kw = dict(do_sample=True, max_new_tokens=new, min_new_tokens=new, output_logits=True, pad_token_id=PAD)
+        out = model.generate(input_ids=ids, attention_mask=mask, return_dict_in_generate=True, **kw)
+    sampled = out.sequences[:, ids.shape[1] :]
+    logp = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, sampled[..., None]).squeeze(-1)
+    full_mask = torch.cat([mask, torch.ones_like(sampled)], 1)
+    lengths = torch.tensor([len(r) for r in rows])
+    segment = Segment(rec.routes, full_mask, version=version, sampled_from=lengths - 1)
+    return [torch.cat([r, s]) for r, s in zip(rows, sampled, strict=True)], segment, logp
+
+
+def _conversation(model, versions=(0, 0), update=None):
+    prompts = [torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 3)]
+    rows, seg1, logp1 = _turn(model, prompts, 4, versions[0], seed=1)
+    turn1 = [len(r) for r in rows]
+    if update is not None:
+        update(model)
+    env = [torch.tensor([7, 8, 9]), torch.tensor([11])]  # tool output: positions whose next token was not sampled
+    rows = [torch.cat([r, e]) for r, e in zip(rows, env, strict=True)]
+    rows, seg2, logp2 = _turn(model, rows, 3, versions[1], seed=2)
+    return rows, (seg1, seg2), (logp1, logp2), turn1
+
+
+def _answer_logp(model, ids, mask, routes=None):
+    import contextlib
+
+    with torch.no_grad(), replay_routes(model, routes) if routes is not None else contextlib.nullcontext():
+        logits = model(ids, attention_mask=mask).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T - 1]
+
+
+def test_a_two_turn_agent_loop_replays_to_the_sampler_log_probs():
+    model = tiny_qwen3_moe(0).eval()
+    rows, segments, (logp1, logp2), turn1 = _conversation(model)
+    ids, mask = _left_pad(rows)
+    routes = assemble_routes(segments, mask)
+    assert routes.version is not None and routes.mask.sum() == mask.sum() - len(rows)  # all but each last token
+    with record_routes(model) as live:
+        model(ids, attention_mask=mask)
+    # at the sampling weights, every position's assembled route is the one a teacher-forced forward takes
+    assert (live.routes.mask | ~routes.mask).all()
+    assert routes.equal(Routes(live.routes.indices, routes.mask, live.routes.layers, routes.version))
+    replayed = _answer_logp(model, ids, mask, routes)
+    for i, row in enumerate(rows):
+        pad = ids.shape[1] - len(row)
+        first = pad + turn1[i] - 4  # turn 1's 4 sampled tokens, then 3 tool tokens, turn 2's 3
+        torch.testing.assert_close(replayed[i, first - 1 : first + 3], logp1[i], rtol=0, atol=1e-5)
+        torch.testing.assert_close(replayed[i, -3:], logp2[i], rtol=0, atol=1e-5)
+
+
+def test_a_rollout_resumed_after_an_update_keeps_segment_one_routes_and_version():
+    model = tiny_qwen3_moe(0).eval()
+
+    def step(m):  # an optimizer step's worth of change to the routers between the two segments
+        with torch.no_grad():
+            for layer in m.model.layers:
+                gate = getattr(layer.mlp, "gate", None)
+                if gate is not None and hasattr(gate, "weight"):
+                    gate.weight.add_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(3)))
+
+    rows, (seg1, seg2), _, turn1 = _conversation(model, versions=(4, 5), update=step)
+    ids, mask = _left_pad(rows)
+    routes = assemble_routes([seg1, seg2], mask)
+    for i, row in enumerate(rows):
+        pad = ids.shape[1] - len(row)
+        segment1 = torch.arange(pad, pad + turn1[i] - 1)  # the prompt and turn 1's sampled tokens but the last
+        assert (routes.version[i, segment1] == 4).all()
+        src = seg1.attention_mask[i].bool().nonzero().squeeze(1)[segment1 - pad]
+        assert torch.equal(routes.indices[i, segment1].sort(-1).values, seg1.routes.indices[i, src].sort(-1).values)
+        later = torch.arange(pad + turn1[i] - 1, ids.shape[1] - 1)  # tool tokens and turn 2: the new weights
+        assert (routes.version[i, later] == 5).all()
+    young = fresh(routes, current=5, max_age=0)
+    assert torch.equal(young.mask, routes.mask & (routes.version == 5))
+    assert torch.equal(fresh(routes, current=6, max_age=2).mask, routes.mask)
+    with replay_routes(model, young):  # the stale positions route live
+        model(ids, attention_mask=mask)
+
+
+def test_conflicts_versions_and_bad_segments_are_refused():
+    model = tiny_qwen3_moe(0).eval()
+    rows, (seg1, seg2), _, turn1 = _conversation(model)
+    ids, mask = _left_pad(rows)
+    first = _left_pad([r[:t] for r, t in zip(rows, turn1, strict=True)])[1]  # the conversations after turn 1
+    # two segments that both sampled from the same positions: identical routes are settled, different ones raise
+    assert assemble_routes([seg1, seg1], first).mask.any()
+    other = seg1.routes.indices.clone()
+    other[..., 0], other[..., 1] = seg1.routes.indices[..., 1], seg1.routes.indices[..., 0]  # same sets: settled
+    swapped = Segment(Routes(other, seg1.routes.mask, seg1.routes.layers), seg1.attention_mask, 0, seg1.sampled_from)
+    assemble_routes([seg1, swapped], first)
+    changed = seg1.routes.indices.clone()
+    changed[..., 0] = (changed[..., 1].long() + 1 + changed[..., 0].long()) % 8
+    changed[..., 0] = torch.where(changed[..., 0] == changed[..., 1], (changed[..., 0] + 1) % 8, changed[..., 0])
+    clash = Segment(Routes(changed, seg1.routes.mask, seg1.routes.layers), seg1.attention_mask, 0, seg1.sampled_from)
+    with pytest.raises(ValueError, match=r"segments 0 and 1 both sampled from it, with different routes"):
+        assemble_routes([seg1, clash], first)
+    late = Segment(seg1.routes, seg1.attention_mask, version=3, sampled_from=seg1.sampled_from)
+    with pytest.raises(ValueError, match="segment 1 has version 0 after segment 0's 3: versions cannot go backwards"):
+        assemble_routes([late, seg2], mask)
+    with pytest.raises(ValueError, match="segment 0, conversation 0: it reaches position .* holds 2 tokens"):
+        assemble_routes([seg1], torch.tensor([[1, 1], [1, 1]]))
+    with pytest.raises(ValueError, match=r"segment 0: sampled_from must be one int >= 0 or one per conversation"):
+        assemble_routes([Segment(seg1.routes, seg1.attention_mask, 0, [1, 2, 3])], mask)
+    with pytest.raises(ValueError, match="has version 5, newer than current=4"):
+        fresh(Routes(seg1.routes.indices, seg1.routes.mask, seg1.routes.layers,
+                     torch.full(seg1.routes.mask.shape, 5)), current=4, max_age=1)  # fmt: skip
+    with pytest.raises(ValueError, match="fresh needs routes with versions"):
+        fresh(seg1.routes, current=0, max_age=1)
+
+
+def test_nothing_recorded_is_lost_through_files_packing_and_selection(tmp_path):
+    model = tiny_qwen3_moe(0).eval()
+    rows, segments, _, _ = _conversation(model, versions=(2, 3))
+    ids, mask = _left_pad(rows)
+    routes = assemble_routes(segments, mask)
+    routes.save(tmp_path / "r.safetensors")
+    loaded = Routes.load(tmp_path / "r.safetensors")
+    assert loaded.equal(routes) and torch.equal(loaded.version, routes.version)
+    assert Routes.load(tmp_path / "r.safetensors", validate=False).equal(routes)
+    packed = pack_routes(routes, mask, multiple=4)
+    assert packed.routes.version is not None
+    back = unpack_routes(packed.routes, packed.cu_seqlens, mask, cu_seqlens_padded=packed.cu_seqlens_padded)
+    assert back.equal(routes)
+    assert routes[[1]].equal(Routes.cat([routes[[0]], routes[[1]]])[[1]])
+    assert routes.pad_to(routes.seq_len + 2)[[0]].version.shape == (1, routes.seq_len + 2)
+    with pytest.raises(ValueError, match="cannot concatenate Routes with and without versions"):
+        Routes.cat([routes, segments[0].routes])
+    assert not routes.equal(Routes(routes.indices, routes.mask, routes.layers))  # (a version is part of equality)
+    with pytest.raises(ValueError, match="version must be an integer tensor"):
+        Routes(routes.indices, routes.mask, routes.layers, routes.version.float())
+    with pytest.raises(ValueError, match=r"version is \(2, 3\) on cpu; the mask is"):
+        Routes(routes.indices, routes.mask, routes.layers, torch.zeros(2, 3, dtype=torch.int32))
