@@ -12,7 +12,7 @@ Setting: the tiny Qwen3-MoE (4 layers, 16 experts, top-2) warm-started on each l
 is a prompt digit plus the one before it, mod 10; up to 600 steps, stopping at sampled reward 0.35; one warm start
 per length and seed, shared by the arms; running sums, whose every answer digit depends on all the digits before it,
 stayed at chance from 16 tokens on; at 64 tokens pair sums did too, so that length has one seed). Then 8 prompts x
-8 answers per step (half the other experiments' batch: a 64-token step costs about 16 times a 4-token one), μ = 4
+8 answers per step (half the other experiments' batch: a 64-token step takes about 8-9 times a 4-token one), μ = 4
 minibatches, lr 1e-4, 50 steps, a 128-prompt held-out set evaluated every 10 steps.
 
     python experiments/long_answers.py --preset quick   # 4 and 16 tokens, 1 seed, 1 step: a smoke test

@@ -16,7 +16,8 @@ weights), on 2 CPU cores.
     python experiments/mechanism.py --replot          # redraw the summary and figure from the committed CSV
 
 Starts from the warm start of experiments/expert_change.py's 4-layer variant (300 steps; made under --runs, default
-runs/warm_starts, if missing) or from --init. Writes experiments/results/mechanism.csv and mechanism.png.
+runs/warm_starts, if missing) or from --init. Writes <out>/mechanism.csv and mechanism.png (default runs/results; the
+committed ones: --out experiments/results).
 """
 
 from __future__ import annotations

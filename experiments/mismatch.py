@@ -2,16 +2,18 @@
 and do R3 or the importance-sampling correction close the gap?
 
 The sampler is a bf16 copy of the policy whose weights are first rounded through fp8 e5m2 (an engine simulation, not
-an engine): about 8.6% of routed expert choices differ from the fp32 trainer's (experiments/sampler_mismatch.py).
+an engine): 8.6% of routed expert choices differ from the fp32 trainer's on the warm start
+(experiments/sampler_mismatch.py), 5.1–6.9% during training (mismatch_summary.csv).
 Arms: GRPO, GRPO + R2, GRPO + R3, GRPO + truncated importance sampling (per token, cap 3), GSPO; each with π_old from
 the trainer's recompute and from the sampler. The convergence metric is the held-out reward (greedy and sampled, on
 256 prompts never trained on), not the reward of training batches.
 
-Hypothesis (to confirm or refute): with sampler π_old, GRPO without replay falls behind (paired gap beyond 2 sd over
-seeds, a larger maximum drop of its held-out reward) and R3 or the correction closes the gap.
+Hypothesis (to confirm or refute): with sampler π_old, GRPO without replay falls behind (a paired gap to the other
+arms, by its standard error, sign count and paired t-test over seeds; a larger maximum drop of its held-out reward)
+and R3 or the correction closes the gap.
 
-    python experiments/mismatch.py --preset quick   # every arm, 1 seed, 2 steps: a smoke test (CI runs it)
-    python experiments/mismatch.py --preset full    # 5 seeds x 10 arms x 100 steps (resumable; ~90 min, one thread)
+    OMP_NUM_THREADS=1 python experiments/mismatch.py --preset quick   # every arm, 1 seed, 2 steps: a smoke test
+    OMP_NUM_THREADS=1 python experiments/mismatch.py --preset full    # 5 seeds x 10 arms x 100 steps (~97 min)
 
 Writes <out>/mismatch_steps.csv (every step of every run), mismatch_summary.csv and mismatch.png.
 """

@@ -12,7 +12,7 @@ How it differs from the paper: the tiny Qwen3-MoE of compare.py (4 layers, 16 ex
 16 prompts x 8 answers per step, a short horizon (80 steps), 3 seeds per arm; no knob was tuned to make a picture.
 
     python experiments/sweep.py --preset quick   # 2 settings, 1 seed, a few steps: a smoke test
-    python experiments/sweep.py --preset full    # the sweep table (about 105 minutes of training plus warm starts)
+    python experiments/sweep.py --preset full    # the sweep table (about 2 hours of training steps plus warm starts)
     python experiments/sweep.py --only mu16 bf16 # some settings (runs resume; results merge into the CSVs)
 
 Writes <out>/sweep_steps.csv (every step of every run, tidy), sweep_summary.csv and sweep.png.

@@ -158,3 +158,24 @@ def test_nothing_recorded_is_lost_through_files_packing_and_selection(tmp_path):
         Routes(routes.indices, routes.mask, routes.layers, routes.version.float())
     with pytest.raises(ValueError, match=r"version is \(2, 3\) on cpu; the mask is"):
         Routes(routes.indices, routes.mask, routes.layers, torch.zeros(2, 3, dtype=torch.int32))
+
+
+def test_a_format_1_file_still_loads_and_cannot_smuggle_versions(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    layers = [{"name": "g", "num_experts": 8, "top_k": 2}]
+    tensors = {
+        "indices": torch.tensor([[[[0, 1]], [[2, 3]]]], dtype=torch.uint8),
+        "mask": torch.tensor([[True, False]]),
+    }
+    save_file(tensors, tmp_path / "v1.safetensors", {"format": "moe-replay.routes", "version": "1",
+                                                      "layers": json.dumps(layers)})  # fmt: skip
+    old = Routes.load(tmp_path / "v1.safetensors")
+    assert old.version is None and old.mask.tolist() == [[True, False]]
+    tensors["version"] = torch.zeros((1, 2), dtype=torch.int32)
+    save_file(tensors, tmp_path / "bad.safetensors", {"format": "moe-replay.routes", "version": "1",
+                                                       "layers": json.dumps(layers)})  # fmt: skip
+    with pytest.raises(Exception, match="expected \\['indices', 'mask'\\] \\(and 'version' from format 2\\)"):
+        Routes.load(tmp_path / "bad.safetensors")
