@@ -23,7 +23,7 @@ grows with the minibatch index, the replayed router gradient turns away from the
     python experiments/why_replay_hurts.py --preset full              # the rest, then the tables and the figure
 
 Writes <out>/why_replay_hurts_steps.csv (every step), why_replay_hurts_staleness.csv (per arm, seed and minibatch
-index: the means over steps), why_replay_hurts_summary.csv and why_replay_hurts.png.
+index: the medians over steps), why_replay_hurts_summary.csv and why_replay_hurts.png.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import matplotlib
 import pandas as pd
 from common import WARM_STARTS, committed, parse_args, publish, warm_started, write_table
 from matplotlib.figure import Figure
@@ -68,7 +69,8 @@ PRESETS = {
 
 def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0, 1)) -> tuple[pd.DataFrame, ...]:
     """Train this shard's runs (seeds s with s % `shard[1]` == `shard[0]`; runs resume if interrupted); with the
-    whole plan (one shard) return every run's step log and its per-minibatch-index means (else two empty frames)."""
+    whole plan (one shard) return every run's step log and its per-minibatch-index medians over the steps (else two
+    empty frames)."""
     p = PRESETS[preset]
     k, n = shard
     steps, stale = [], []
@@ -82,7 +84,8 @@ def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0
             steps.append(pd.read_csv(out / "steps.csv").assign(arm=arm, seed=seed))
             mb = pd.read_csv(out / "minibatches.csv")
             columns = [c for c in STALENESS if c in mb]
-            stale.append(mb.groupby("minibatch")[columns].mean().reset_index().assign(arm=arm, seed=seed))
+            # medians over the steps: a few gradient-norm spikes would dominate a mean
+            stale.append(mb.groupby("minibatch")[columns].median().reset_index().assign(arm=arm, seed=seed))
     if n > 1:
         return pd.DataFrame(), pd.DataFrame()
     return pd.concat(steps, ignore_index=True), pd.concat(stale, ignore_index=True)
@@ -91,7 +94,8 @@ def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0
 def summarize(frame: pd.DataFrame, stale: pd.DataFrame) -> pd.DataFrame:
     """Per arm: the held-out reward (mean of the last 3 evaluations) mean ± sd over seeds, its paired gaps to GRPO
     and to R3 (mean, standard error, sd, seeds ahead, paired t and sign-test p), and the replay's bias and router
-    gradient at the first and the last replayed minibatch index (the staleness), means over steps and seeds."""
+    gradient at the first and the last replayed minibatch index (the staleness): the mean over seeds of each seed's
+    median over steps."""
     last = last_evaluations(frame, HELDOUT, ["arm", "seed"])
     rows = []
     for arm in ARMS:
@@ -118,12 +122,10 @@ def figure(frame: pd.DataFrame, stale: pd.DataFrame) -> Figure:
     fig = Figure(figsize=(15, 8), layout="constrained")
     axes = fig.subplots(2, 3).flatten()
     evals = frame.dropna(subset=[HELDOUT])
-    plots.over_training(evals, y=HELDOUT, group="arm", ylabel="held-out reward (256 prompts)", ax=axes[0],
-                        title="held-out reward")  # fmt: skip
+    _plot(evals, y=HELDOUT, ylabel="held-out reward (256 prompts)", ax=axes[0], title="held-out reward")
     wide = evals.pivot_table(index=["seed", "step"], columns="arm", values=HELDOUT)
     gap = wide.sub(wide[R3], axis=0).reset_index().melt(id_vars=["seed", "step"], var_name="arm", value_name="gap")
-    plots.over_training(gap.dropna(), y="gap", group="arm", ylabel="arm − R3, same seed", ax=axes[1],
-                        title="held-out reward gap to R3 (paired)")  # fmt: skip
+    _plot(gap.dropna(), y="gap", ylabel="arm − R3, same seed", ax=axes[1], title="held-out reward gap to R3 (paired)")
     axes[1].axhline(0.0, color="grey", lw=0.8)
     panels = (("replay_bias/kl_k3", "KL(replayed ‖ live), same tokens and weights", "the bias replay introduces"),
               ("router/grad_cosine_live", "cosine(replayed, live router gradient)", "router gradient direction"),
@@ -131,12 +133,19 @@ def figure(frame: pd.DataFrame, stale: pd.DataFrame) -> Figure:
               ("loss", "policy loss", "loss against the routes' age"))  # fmt: skip
     for ax, (column, ylabel, title) in zip(axes[2:], panels, strict=True):
         part = stale.dropna(subset=[column]) if column in stale else stale.iloc[:0]
-        plots.over_training(part.rename(columns={"minibatch": "step"}), y=column, group="arm", ylabel=ylabel, ax=ax,
-                            title=title)  # fmt: skip
+        _plot(part.rename(columns={"minibatch": "step"}), y=column, ylabel=ylabel, ax=ax, title=title)
         ax.set_xlabel("minibatch index in the step (updates since the rollout)")
     fig.suptitle(f"Why replay can hurt: the full stress, π_old from the trainer ({frame.seed.nunique()} seeds, "
                  "mean ± sd)")  # fmt: skip
     return fig
+
+
+def _plot(data: pd.DataFrame, **kw: object) -> None:
+    """`plots.over_training` by arm, each arm in its own colour in every panel (whichever arms the panel has)."""
+    palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    cycle = [palette[list(ARMS).index(arm)] for arm in dict.fromkeys(data.arm)]
+    kw["ax"].set_prop_cycle(color=cycle)
+    plots.over_training(data, group="arm", **kw)
 
 
 def options(ap: argparse.ArgumentParser) -> None:
