@@ -12,7 +12,7 @@ the trainer's recompute and from the sampler; the setting, steps and held-out me
 Prediction (written before the runs): with π_old from the sampler, R3 − GRPO > 0 (the routing noise in GRPO's ratios
 is removed), and with π_old from the trainer the gap is within noise.
 
-    python experiments/fair_r3.py --preset quick              # every arm, 1 seed, 2 steps: a smoke test
+    python experiments/fair_r3.py --preset quick              # every arm, 1 seed, 1 step: a smoke test
     python experiments/fair_r3.py --preset full --shard 0/2   # half the seeds (run 1/2 beside it; resumable)
     python experiments/fair_r3.py --preset full               # the rest, then the summary and the figure
 
@@ -36,7 +36,7 @@ ARMS = ("GRPO", "GRPO + R2", "GRPO + R3", "GSPO")
 PRESETS = {
     "quick": {
         "seeds": {arm: [0] for arm in ARMS},
-        "steps": 2,
+        "steps": 1,
         "warm_start_steps": 10,
         "eval_every": 1,
         "heldout": 8,

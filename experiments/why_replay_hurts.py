@@ -18,7 +18,7 @@ Prediction (written before the runs): if replay hurts through the bias it introd
 grows with the minibatch index, the replayed router gradient turns away from the live one as the routes age
 (cosine falling with the index), and both remedies close R3's gap to GRPO (remedy − R3 > 0).
 
-    python experiments/why_replay_hurts.py --preset quick             # every arm, 1 seed, 2 steps: a smoke test
+    python experiments/why_replay_hurts.py --preset quick             # every arm, 1 seed, 1 step: a smoke test
     python experiments/why_replay_hurts.py --preset full --shard 0/2  # half the seeds (1/2 beside it; resumable)
     python experiments/why_replay_hurts.py --preset full              # the rest, then the tables and the figure
 
@@ -54,7 +54,7 @@ STALENESS = ("loss", "replay_bias/kl_k3", "replay_bias/abs_log_ratio_mean", "rou
 PRESETS = {
     "quick": {
         "seeds": [0],
-        "steps": 2,
+        "steps": 1,
         "warm_start_steps": 10,
         "train": {"prompts": 4, "group_size": 4, "heldout_prompts": 8, "eval_every": 1},
     },  # fmt: skip

@@ -180,7 +180,8 @@ def test_why_replay_hurts_quick_preset(tmp_path, monkeypatch):
     out = run_quick("why_replay_hurts.py", tmp_path, monkeypatch)
     stale = pd.read_csv(out / "why_replay_hurts_staleness.csv")
     replayed = stale[stale.arm == "GRPO + R3"]
-    assert replayed["replay_bias/kl_k3"].notna().all() and replayed["router/grad_cosine_live"].between(-1, 1).all()
+    cosine = replayed["router/grad_cosine_live"].dropna()  # (NaN where a minibatch's advantages are all 0)
+    assert replayed["replay_bias/kl_k3"].notna().all() and len(cosine) > 8 and cosine.between(-1, 1).all()
     aged = stale[stale.arm == "R3, routes < 4 updates old"].set_index("minibatch")
     assert aged.loc[:3, "replay_bias/kl_k3"].notna().all() and aged.loc[4:, "replay_bias/kl_k3"].isna().all()
     assert "replay_bias/kl_k3" not in stale[stale.arm == "GRPO"].dropna(axis=1)
