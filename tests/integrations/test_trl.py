@@ -224,7 +224,6 @@ def test_refused_settings(tmp_path, kw, match):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (dict(rollout_func=lambda prompts, trainer: {}), "rollout_func"),
         (dict(tools=[lambda x: x]), "tool calling"),
         (dict(environment_factory=object), "environments"),
     ],

@@ -43,6 +43,8 @@ def routes_for_batch(
     input_ids: torch.Tensor,
     completion_width: int,
     pad_to_multiple_of: int | None = None,
+    *,
+    partial: bool = False,
 ) -> Routes:
     """Lay routes recorded under `generate` [B, P_gen + C_gen] out as TRL's batch `input_ids` [B, P + C], whose last
     `completion_width` (C) positions are the completions; raise `ReplayError` if anything does not line up.
@@ -51,9 +53,11 @@ def routes_for_batch(
     (TRL's setting of that name). It may have run past where TRL cut a completion, when it stops at fewer end tokens
     than TRL cuts at: the routes after the cut are dropped (routing is causal, so those before it hold).
 
-    Checks, each naming both sides: the recorded positions up to each row's cut are exactly those of the prompt and
-    completion TRL kept (a one-position shift, or a generation that ended before TRL's cut, fails here), and
-    `input_ids` holds those prompts and completions where this layout puts them (a change of TRL's layout fails here).
+    `partial`: the routes may leave positions of the rows unrecorded (an engine's `prompt_start` offset); they route
+    live. Checks, each naming both sides: the recorded positions up to each row's cut are exactly (with `partial`:
+    within) those of the prompt and completion TRL kept (a one-position shift, or a generation that ended before
+    TRL's cut, fails here), and `input_ids` holds those prompts and completions where this layout puts them (a
+    change of TRL's layout fails here).
 
     Example:
         >>> rows = routes_for_batch(rec.routes, prompt_ids, completion_ids, input_ids, logits_to_keep)  # doctest: +SKIP
@@ -79,6 +83,8 @@ def routes_for_batch(
     expected = recorded_span(lp, lc, gen_prompt, T)
     cut = torch.arange(T) < torch.as_tensor([gen_prompt + n - 1 for n in lc])[:, None]  # before each row's last token
     got = routes.mask.cpu()
+    if partial:  # (a rollout engine's routes: positions it skipped route live, none may lie outside the rows)
+        expected = expected & got
     if not torch.equal(got & cut, expected):
         i = int((expected != (got & cut)).any(1).nonzero()[0])
         raise ReplayError(

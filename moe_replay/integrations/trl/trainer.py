@@ -22,6 +22,7 @@ from ...engines import record_routes, replay_routes
 from ...errors import ReplayError
 from ...routes import LayerInfo, Routes
 from .layout import check_rows, routes_for_batch
+from .rollout import taking_routes
 
 MODES = (None, "rollout", "old_logprob")
 INDICES, MASK = "routing_indices", "routing_mask"  # the batch keys that carry the routes
@@ -45,8 +46,10 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
     `"rollout"` when TRL computes old log-probs, `routing/mismatch/fraction` (the same in the old-log-prob forward at
     the sampling weights: the sampler/trainer routing mismatch).
 
-    Refused with a ValueError: `use_vllm`, continuous batching, tools / environments, a custom `rollout_func`, and
-    multimodal inputs.
+    A custom `rollout_func` (the user's own engine call, or an agent loop) hands its routes over in its output's
+    `"routes"` (`integrations.trl.rollout`: the layout, and R2's refusal of them); `use_vllm=True` is allowed with one
+    (TRL's weight sync to the user's engine). Refused with a ValueError: `use_vllm` without a `rollout_func` (TRL's
+    own vLLM path returns no routes), continuous batching, tools / environments, and multimodal inputs.
 
     Example:
         >>> trainer = RoutingReplayGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(num_iterations=2),
@@ -69,11 +72,13 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             given = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
             refuse_arguments(given)
             if given.get("args") is not None:
-                refuse_settings(given["args"], routing_replay)
+                refuse_settings(given["args"], routing_replay, given.get("rollout_func") is not None)
         super().__init__(*args, **kwargs)
         if routing_replay is not None:
-            refuse_settings(self.args, routing_replay)
+            refuse_settings(self.args, routing_replay, self.rollout_func is not None)
             refuse_stop_tokens(getattr(self, "generation_config", None), self.eos_token_ids)
+            if self.rollout_func is not None:
+                self.rollout_func = taking_routes(self.rollout_func, routing_replay, self._keep_rollout_routes)
 
     # ---- generation ----------------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):  # noqa: ANN001, ANN202, E501
@@ -86,6 +91,9 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             raise ReplayError(f"expected one generate call to record, got {len(rec.batches)}")
         self._rr_generated = (rec.routes, prompt_ids, completion_ids)
         return completion_ids, logprobs
+
+    def _keep_rollout_routes(self, generated: tuple) -> None:
+        self._rr_generated = generated  # (routes, prompt ids, completion ids), as `_generate_single_turn` keeps them
 
     def _generate_and_score_completions(self, inputs):  # noqa: ANN001, ANN202
         if self.routing_replay is None:
@@ -115,7 +123,10 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
         if self._rr_generated is None:
             raise ReplayError("routing_replay='rollout' found no routes recorded while TRL generated")
         routes, prompt_ids, completion_ids = self._rr_generated
-        rows = routes_for_batch(routes, prompt_ids, completion_ids, input_ids, logits_to_keep, self.pad_to_multiple_of)
+        partial = self.rollout_func is not None  # (an engine may leave a prompt's start unrecorded: it routes live)
+        rows = routes_for_batch(
+            routes, prompt_ids, completion_ids, input_ids, logits_to_keep, self.pad_to_multiple_of, partial=partial
+        )
         self._rr_layers = rows.layers
         return rows.to(input_ids.device)
 
@@ -266,7 +277,6 @@ def last_token_live(routes: Routes, attention_mask: torch.Tensor) -> Routes:
 def refuse_arguments(kwargs: dict[str, Any]) -> None:
     """ValueError for `GRPOTrainer` arguments routing replay does not support yet."""
     for key, what in (
-        ("rollout_func", "a custom rollout_func (its rollouts would need to return routes)"),
         ("tools", "tool calling (multi-turn generation)"),
         ("environment_factory", "environments (multi-turn generation)"),
     ):
@@ -278,12 +288,13 @@ def refuse_arguments(kwargs: dict[str, Any]) -> None:
         raise ValueError("routing_replay does not support multimodal models (a ProcessorMixin processing_class) yet")
 
 
-def refuse_settings(args: Any, routing_replay: str) -> None:
+def refuse_settings(args: Any, routing_replay: str, rollout_func: bool = False) -> None:
     """ValueError for `GRPOConfig` settings routing replay does not support, or where it would do nothing."""
-    if args.use_vllm:
+    if args.use_vllm and not rollout_func:
         raise ValueError(
-            "routing_replay does not support use_vllm=True yet (vLLM's returned routes are not imported into TRL's "
-            "vLLM path): use use_vllm=False, or routing_replay=None"
+            "routing_replay with use_vllm=True needs a rollout_func that returns the routes (TRL's own vLLM path "
+            "returns none): call vLLM in a rollout_func and return routes_from_vllm(...) as its 'routes' "
+            "(use_vllm=True then keeps TRL's weight sync), or use use_vllm=False"
         )
     if getattr(args, "use_transformers_continuous_batching", False):
         raise ValueError("routing_replay does not support use_transformers_continuous_batching=True yet")

@@ -1,0 +1,118 @@
+"""TRL's `rollout_func` with routes: a user's own rollout (here HF `generate`, its routes handed over in vLLM 0.33's
+exact server encoding: base64 `.npy`, with `prompt_start`) trains under `RoutingReplayGRPOTrainer`; every loss
+forward uses the experts the rollout recorded; bad routes, R2 with routes, and `use_vllm` without a rollout_func
+are refused."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from trl_utils import Spy, agreement, config, prompts, reward, tiny_policy
+
+from moe_replay import LayerInfo, Routes, record_routes
+from moe_replay.errors import ReplayError
+from moe_replay.integrations.trl.rollout import left_padded, taking_routes
+from moe_replay.integrations.trl.trainer import INDICES, MASK, refuse_settings
+from moe_replay.integrations.vllm import routes_from_vllm
+from moe_replay.tiny import tiny_tokenizer
+
+EOS, PAD, DECODER_LAYERS, MOE_COLUMNS = 1, 0, 3, [0, 2]
+
+
+def engine_rollout(prompt_start: int = 0, corrupt: str | None = None):  # noqa: ANN201
+    """A rollout_func that samples with HF `generate` (one completion per prompt, TRL's cut at the first EOS), and
+    returns the routes as vLLM 0.33's server returns them, imported with `routes_from_vllm`."""
+
+    def rollout(batch_prompts: list[str], trainer: Any) -> dict[str, Any]:
+        tok, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
+        prompt_ids = [tok(p)["input_ids"] for p in batch_prompts]
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompt_ids])
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompt_ids])[:, None]).long()
+        with torch.no_grad(), record_routes(model) as rec:
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=8,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=PAD,
+                                 eos_token_id=EOS, sequence_bias={(EOS,): 2.5})  # fmt: skip
+        logp = torch.log_softmax(torch.stack(out.logits, 1).float(), -1)
+        responses, completion_ids, logprobs = [], [], []
+        for i, p in enumerate(prompt_ids):
+            new = out.sequences[i, width:].tolist()
+            c = new[: new.index(EOS) + 1] if EOS in new else new
+            completion_ids.append(c)
+            logprobs.append([float(logp[i, t, tok_id]) for t, tok_id in enumerate(c)])
+            n = len(p) + len(c) - 1  # vLLM: [prompt + completion - 1 - prompt_start, decoder layers, K]
+            pad = width - len(p)
+            moe = rec.routes.indices[i, pad + prompt_start : pad + n].numpy()
+            rows = np.zeros((moe.shape[0], DECODER_LAYERS, moe.shape[2]), dtype=np.uint8)
+            rows[:, MOE_COLUMNS] = moe
+            if corrupt == "short":
+                rows = rows[:-1]
+            buf = io.BytesIO()
+            np.save(buf, rows)
+            choice = {"index": 0, "token_ids": c, "routed_experts": base64.b64encode(buf.getvalue()).decode()}
+            responses.append({"prompt_token_ids": p, "choices": [choice]})
+        routes = routes_from_vllm(responses, model, prompt_start=prompt_start)  # ("short": raises, naming the row)
+        output = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+        if corrupt != "missing":
+            output["routes"] = routes
+        if corrupt == "rows":
+            output["routes"] = routes[[0]]
+        return output
+
+    return rollout
+
+
+def make(tmp_path, mode="rollout", rollout=None, **kw):  # noqa: ANN001, ANN003, ANN201
+    return Spy(model=tiny_policy(), reward_funcs=reward, args=config(tmp_path, **kw), train_dataset=prompts(),
+               processing_class=tiny_tokenizer(), routing_replay=mode,
+               rollout_func=rollout if rollout is not None else engine_rollout())  # fmt: skip
+
+
+@pytest.mark.parametrize("prompt_start", [0, 2])
+def test_a_rollout_funcs_engine_routes_are_the_ones_every_loss_forward_uses(tmp_path, prompt_start):
+    trainer = make(tmp_path, rollout=engine_rollout(prompt_start), max_steps=2)
+    trainer.train()
+    assert trainer.used and all(r.mask.any() for r, _ in trainer.used)
+    for replayed, used in trainer.used:
+        m = replayed.mask
+        assert torch.equal(used.mask & m, m)
+        assert torch.equal(used.indices.long().sort(-1).values[m], replayed.indices.long().sort(-1).values[m])
+    for gen in trainer.generated:
+        # each row's routes are its own (a live forward of the row agrees; one position of shift does not)
+        assert agreement(gen[INDICES], gen[MASK], gen["live_routes"]) >= 0.97
+        assert agreement(gen[INDICES], gen[MASK], gen["live_routes"], shift=1) < 0.5
+        first = gen["prompt_mask"].long().argmax(1)  # each row's first prompt token
+        rows = torch.arange(len(first))
+        for offset in range(prompt_start):  # the positions the engine skipped are unrecorded: they route live
+            assert not gen[MASK][rows, first + offset].any()
+        assert gen[MASK][rows, first + prompt_start].all()
+        old = gen["old_per_token_logps"]  # (R3 with fp32: the replayed old log-probs are the live ones)
+        assert torch.equal(old * gen["completion_mask"], gen["live_logps"] * gen["completion_mask"])
+
+
+def test_bad_rollout_routes_and_unsupported_combinations_are_refused(tmp_path):
+    with pytest.raises(ReplayError, match="needs the rollout_func to return 'routes'"):
+        make(tmp_path / "a", rollout=engine_rollout(corrupt="missing")).train()
+    with pytest.raises(ValueError, match="routes for 1 rows but 4 completions"):
+        make(tmp_path / "b", rollout=engine_rollout(corrupt="rows")).train()
+    with pytest.raises(ValueError, match="vLLM output 0, completion 0, routed_experts: routes hold"):
+        make(tmp_path / "c", rollout=engine_rollout(corrupt="short")).train()
+    with pytest.raises(ValueError, match="R2\\) records its routes in the old-log-prob pass"):
+        make(tmp_path / "d", mode="old_logprob", steps_per_generation=2, gradient_accumulation_steps=1).train()
+    args = config(tmp_path / "e")
+    args.use_vllm = True  # (set after construction: TRL's own check wants vLLM installed)
+    with pytest.raises(ValueError, match="needs a rollout_func that returns the routes"):
+        refuse_settings(args, "rollout", rollout_func=False)
+    refuse_settings(args, "rollout", rollout_func=True)  # allowed: TRL's weight sync to the user's engine
+    with pytest.raises(ValueError, match="must be a Routes, got dict"):
+        taking_routes(lambda p, t: {"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[0.0]],
+                                    "routes": {}}, "rollout", print)([], None)  # fmt: skip
+    ids = torch.tensor([0, 1], dtype=torch.uint8).expand(1, 4, 1, 2)
+    routes = Routes(ids.clone(), torch.ones(1, 4, dtype=torch.bool), [LayerInfo("g", 4, 2)])
+    with pytest.raises(ValueError, match="record row 0 up to position 3 but it has 1 prompt and 2 completion"):
+        left_padded(routes, [[5]], [[6, 7]], None)
