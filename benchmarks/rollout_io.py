@@ -1,4 +1,5 @@
-"""Routes at production size: validated `Routes.load`, the vLLM / SGLang importers and `pack_routes` against one
+"""Routes at production size: validated `Routes.load`, the vLLM / SGLang importers, `pack_routes` and a two-turn
+`assemble_routes` against one
 plain pass over the same bytes (a base64 decode, a copy), side by side in one run (with A/A rows), and the importers'
 peak memory (fresh subprocesses).
 
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from run import child_stdout, write_rows
 
-from moe_replay import LayerInfo, Routes, pack_routes
+from moe_replay import LayerInfo, Routes, Segment, assemble_routes, pack_routes
 from moe_replay.integrations.sglang import routes_from_sglang
 from moe_replay.integrations.vllm import routes_from_vllm
 
@@ -164,6 +165,21 @@ def main() -> None:
             "s",
             "ratio <= 5",
             t_pack / t_pass <= 5,
+        )
+        # a two-turn assembly without a kept cache: turn 1 recorded the first half of each row, turn 2 re-ran it all
+        whole = torch.ones(routes.mask.shape, dtype=torch.long)
+        half = routes.seq_len // 2
+        turn1 = Segment(Routes(routes.indices, routes.mask & (torch.arange(routes.seq_len) < half), LAYERS), whole, 0,
+                        sampled_from=half // 2)  # fmt: skip
+        turn2 = Segment(routes, whole, 1, sampled_from=half)
+        t_assemble = best(lambda: assemble_routes([turn1, turn2], whole), reps)
+        add(
+            "assemble_routes of two turns vs one memory pass (a copy of the routes)",
+            t_assemble,
+            t_pass,
+            "s",
+            "ratio <= 5",
+            t_assemble / t_pass <= 5,
         )
         t_convert = best(lambda: [torch.from_numpy(a).to(torch.uint8) for a in arrays], reps)
         t_vllm = best(lambda: routes_from_vllm(vllm_outputs(arrays), LAYERS), reps)

@@ -179,3 +179,60 @@ def test_a_format_1_file_still_loads_and_cannot_smuggle_versions(tmp_path):
                                                        "layers": json.dumps(layers)})  # fmt: skip
     with pytest.raises(Exception, match="expected \\['indices', 'mask'\\] \\(and 'version' from format 2\\)"):
         Routes.load(tmp_path / "bad.safetensors")
+
+
+@pytest.mark.parametrize("layers", [1, 4])  # rows of 2 and 8 bytes (the word-copy path)
+def test_assembly_matches_the_rule_written_out_per_position(layers):
+    from moe_replay import LayerInfo
+
+    g = torch.Generator().manual_seed(layers)
+    B, T, E = 3, 12, 8
+    info = [LayerInfo(f"l{i}", E, 2) for i in range(layers)]
+    keep = torch.ones(B, T, dtype=torch.long)
+    keep[1, :3] = 0  # a left-padded conversation
+    lengths = keep.sum(1)
+    segs = []
+    turns = [(0, 4, 7), (0, 6, 10), (8, 9, 12)]  # (start, sampled_from, end): re-runs, then a kept-cache continuation
+    for s, (start, sampled_from, end) in enumerate(turns):
+        width = end - start
+        own = (lengths - (T - end)).clamp(min=0) - start  # the row's tokens in [start, end) (row 1 is 3 shorter)
+        real = (torch.arange(width)[None] >= width - own[:, None]).long()
+        recorded = real.bool() & (torch.rand(B, width, generator=g) > 0.2)
+        first = torch.randint(0, E, (B, width, layers, 1), generator=g)
+        segs.append(Segment(Routes(torch.cat([first, (first + 1) % E], -1), recorded, info), real, s, sampled_from,
+                            start))  # fmt: skip
+
+    def computed(i, p):  # [(segment, its column)] of the segments that recorded conversation position p of row i
+        found = []
+        for s, seg in enumerate(segs):
+            real_cols = seg.attention_mask[i].bool().nonzero().flatten()
+            k = p - seg.start
+            if 0 <= k < len(real_cols) and seg.routes.mask[i, real_cols[k]]:
+                found.append((s, int(real_cols[k])))
+        return found
+
+    for i in range(B):  # later samplers agree with the first one (two that disagree are an error, tested above)
+        for p in range(int(lengths[i])):
+            samplers = [(s, c) for s, c in computed(i, p) if p >= segs[s].sampled_from]
+            for s, c in samplers[1:]:
+                segs[s].routes.indices[i, c] = segs[samplers[0][0]].routes.indices[i, samplers[0][1]]
+    want = torch.zeros(B, T, layers, 2, dtype=torch.uint8)
+    want_mask = torch.zeros(B, T, dtype=torch.bool)
+    want_version = torch.zeros(B, T, dtype=torch.int32)
+    for i in range(B):
+        columns = keep[i].bool().nonzero().flatten()
+        for p in range(int(lengths[i])):
+            found = computed(i, p)
+            samplers = [(s, c) for s, c in found if p >= segs[s].sampled_from]
+            if found:  # the first forward that sampled from p, else the first that computed it
+                s, c = samplers[0] if samplers else found[0]
+                want[i, columns[p]], want_mask[i, columns[p]] = segs[s].routes.indices[i, c], True
+                want_version[i, columns[p]] = s
+    got = assemble_routes(segs, keep)
+    assert torch.equal(got.mask, want_mask) and want_mask.sum() > 20
+    assert torch.equal(got.version[want_mask], want_version[want_mask]) and set(want_version[want_mask].tolist()) == {
+        0,
+        1,
+        2,
+    }
+    assert torch.equal(got.indices[want_mask], want[want_mask])
