@@ -10,7 +10,7 @@ teacher-forced on that batch, before vs after the update (`measure_update_drift`
 weight by about lr, so updates 1..N are reported separately (the paper's runs are deep into training).
 
     python experiments/expert_change.py --preset quick   # 2 small variants x 2 learning rates: a smoke test (~15 s)
-    python experiments/expert_change.py --preset full    # the claim-1 table, 3 seeds (about 20 minutes on 2 CPU cores)
+    python experiments/expert_change.py --preset full    # the claim-1 table, 3 seeds (about 12 minutes)
     python experiments/expert_change.py --replot         # redraw the table and figures from the committed CSV
 
 Writes experiments/results/expert_change.csv (tidy: variant, layers, experts, top_k, seed, lr, update, layer,
