@@ -14,7 +14,7 @@ import pytest
 import torch
 from trl_utils import Spy, agreement, config, prompts, reward, tiny_policy
 
-from moe_replay import LayerInfo, Routes, record_routes
+from moe_replay import LayerInfo, Routes, Segment, assemble_routes, record_routes
 from moe_replay.errors import ReplayError
 from moe_replay.integrations.trl.rollout import left_padded, taking_routes
 from moe_replay.integrations.trl.trainer import INDICES, MASK, refuse_settings
@@ -116,3 +116,48 @@ def test_bad_rollout_routes_and_unsupported_combinations_are_refused(tmp_path):
     routes = Routes(ids.clone(), torch.ones(1, 4, dtype=torch.bool), [LayerInfo("g", 4, 2)])
     with pytest.raises(ValueError, match="record row 0 up to position 3 but it has 1 prompt and 2 completion"):
         left_padded(routes, [[5]], [[6, 7]], None)
+
+
+def agent_rollout(batch_prompts: list[str], trainer: Any) -> dict[str, Any]:
+    """Two turns with tool tokens between them (`env_mask` 0), each turn a `generate` over the whole conversation, the
+    routes assembled by the segment rule (`assemble_routes`), in rows that start at position 0."""
+    tok, model = trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)
+    convs = [tok(p)["input_ids"] for p in batch_prompts]
+    prompt_ids = [list(c) for c in convs]
+    segments, env, turns = [], [5, 6], []
+    for turn in range(2):
+        width = max(len(c) for c in convs)
+        ids = torch.tensor([[PAD] * (width - len(c)) + c for c in convs])
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(c) for c in convs])[:, None]).long()
+        with torch.no_grad(), record_routes(model) as rec:
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=3, min_new_tokens=3,
+                                 pad_token_id=PAD, suppress_tokens=[EOS])  # fmt: skip
+        new = out[:, width:].tolist()
+        full_mask = torch.cat([mask, torch.ones(len(convs), 3, dtype=torch.long)], 1)
+        sampled_from = torch.tensor([len(c) - 1 for c in convs])
+        segments.append(Segment(rec.routes, full_mask, version=0, sampled_from=sampled_from))
+        turns.append(new)
+        convs = [c + n + (env if turn == 0 else []) for c, n in zip(convs, new, strict=True)]
+    lengths = torch.tensor([len(c) for c in convs])
+    rows = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long()  # position t = token t of the row
+    completion_ids = [c[len(p) :] for c, p in zip(convs, prompt_ids, strict=True)]
+    return {
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion_ids,
+        "logprobs": [[0.0] * len(c) for c in completion_ids],
+        "env_mask": [[1, 1, 1, 0, 0, 1, 1, 1] for _ in completion_ids],
+        "routes": assemble_routes(segments, rows),
+    }
+
+
+def test_a_multi_turn_rollout_func_with_env_tokens_trains_on_its_assembled_routes(tmp_path):
+    trainer = make(tmp_path, rollout=agent_rollout, max_steps=2)
+    trainer.train()
+    for replayed, used in trainer.used:
+        m = replayed.mask
+        assert m.any() and torch.equal(used.mask & m, m)
+        assert torch.equal(used.indices.long().sort(-1).values[m], replayed.indices.long().sort(-1).values[m])
+    for gen in trainer.generated:
+        assert (gen["tool_mask"].sum(1) == 6).all()  # the two tool tokens are out of the loss (TRL: tool_mask)
+        assert agreement(gen[INDICES], gen[MASK], gen["live_routes"]) >= 0.97
+        assert agreement(gen[INDICES], gen[MASK], gen["live_routes"], shift=1) < 0.5
