@@ -160,7 +160,8 @@ class Routes:
 
     def to(self, device: torch.device | str) -> Routes:
         """Move to a device (indices keep their dtype)."""
-        return Routes._trusted(self.indices.to(device), self.mask.to(device), self.layers, _at(self.version, device))
+        version = None if self.version is None else self.version.to(device)  # (`device` may be an int)
+        return Routes._trusted(self.indices.to(device), self.mask.to(device), self.layers, version)
 
     def pad_to(self, seq_len: int) -> Routes:
         """Right-pad the positions to `seq_len` with masked (unrecorded) positions."""
@@ -242,10 +243,8 @@ def check_structure(indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[
 
 
 def _at(version: torch.Tensor | None, where: Any) -> torch.Tensor | None:
-    """`version` selected by a batch index, or moved to a device (None stays None)."""
-    if version is None:
-        return None
-    return version.to(where) if isinstance(where, (str, torch.device)) else version[where]
+    """`version` selected by a batch index (None stays None)."""
+    return None if version is None else version[where]
 
 
 def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:

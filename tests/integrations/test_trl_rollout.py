@@ -116,6 +116,26 @@ def test_bad_rollout_routes_and_unsupported_combinations_are_refused(tmp_path):
     routes = Routes(ids.clone(), torch.ones(1, 4, dtype=torch.bool), [LayerInfo("g", 4, 2)])
     with pytest.raises(ValueError, match="record row 0 up to position 3 but it has 1 prompt and 2 completion"):
         left_padded(routes, [[5]], [[6, 7]], None)
+    with pytest.raises(ValueError, match=r"record row 0 up to position 3 .* \(routes at positions 0..2\)"):
+        left_padded(routes, [[5, 6]], [[7, 8]], None)  # (a route at the last token: shifted by one)
+
+
+@pytest.mark.parametrize("recorded", [[0, 1, 2, 3], [0, 1], [1, 2, 3], [0, 2, 3, 4], []])
+def test_partial_routes_must_be_a_whole_run_ending_at_the_last_input(recorded):
+    from moe_replay.integrations.trl.layout import routes_for_batch
+
+    ids = torch.tensor([0, 1], dtype=torch.uint8).expand(1, 6, 1, 2).clone()
+    mask = torch.zeros(1, 6, dtype=torch.bool)
+    mask[0, recorded] = True
+    routes = Routes(ids, mask, [LayerInfo("g", 4, 2)])
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])  # 3 prompt and 3 completion tokens: routes at 0..4
+    with pytest.raises(ReplayError):
+        routes_for_batch(routes, [[5, 6, 7]], [[8, 9, 10]], input_ids, 3, partial=True)
+    mask[0] = False
+    mask[0, 2:5] = True  # a skipped prefix (prompt_start 2): allowed
+    rows = routes_for_batch(Routes(ids, mask, [LayerInfo("g", 4, 2)]), [[5, 6, 7]], [[8, 9, 10]], input_ids, 3,
+                            partial=True)  # fmt: skip
+    assert rows.mask[0].tolist() == [False, False, True, True, True, False]
 
 
 def agent_rollout(batch_prompts: list[str], trainer: Any) -> dict[str, Any]:

@@ -83,8 +83,12 @@ def routes_for_batch(
     expected = recorded_span(lp, lc, gen_prompt, T)
     cut = torch.arange(T) < torch.as_tensor([gen_prompt + n - 1 for n in lc])[:, None]  # before each row's last token
     got = routes.mask.cpu()
-    if partial:  # (a rollout engine's routes: positions it skipped route live, none may lie outside the rows)
-        expected = expected & got
+    if partial:  # (an engine may skip a prefix of the prompt: those route live; the rest must be all there)
+        empty = expected.any(1) & ~(got & cut).any(1)
+        if empty.any():
+            raise ReplayError(f"the routes of row {int(empty.nonzero()[0])} record none of its positions")
+        first = torch.where(got.any(1), got.float().argmax(1), torch.full((B,), T))
+        expected = expected & (torch.arange(T)[None] >= first[:, None])
     if not torch.equal(got & cut, expected):
         i = int((expected != (got & cut)).any(1).nonzero()[0])
         raise ReplayError(

@@ -77,10 +77,10 @@ def left_padded(routes: Routes, prompt_ids: list, completion_ids: list, multiple
     mask = routes.mask.new_zeros((N, P + max(lc, default=0)))
     for i in range(N):
         n = lp[i] + lc[i]
-        if routes.mask[i, n:].any():
+        if routes.mask[i, n - 1 :].any():  # (the last token is never an input: it has no route)
             raise ValueError(
                 f"the rollout_func's routes record row {i} up to position {int(routes.mask[i].nonzero().max())} but it "
-                f"has {lp[i]} prompt and {lc[i]} completion tokens (positions 0..{n - 1})"
+                f"has {lp[i]} prompt and {lc[i]} completion tokens (routes at positions 0..{n - 2})"
             )
         width = min(n, T)
         indices[i, P - lp[i] : P - lp[i] + width] = routes.indices[i, :width]
