@@ -69,6 +69,25 @@ def parse_args(
     return args
 
 
+def shard_option(ap: argparse.ArgumentParser) -> None:
+    """The option of the scripts that split their runs by seed over processes: `--shard K/N` (default 0/1, all), read
+    as the pair (K, N); K >= N or N < 1 is a usage error.
+
+    Example:
+        >>> args = parse_args(__doc__, PRESETS, runs=Path("runs/x"), extra=shard_option)  # doctest: +SKIP
+        >>> k, n = args.shard  # doctest: +SKIP
+    """
+
+    def pair(text: str) -> tuple[int, int]:
+        k, _, n = text.partition("/")
+        if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+            raise argparse.ArgumentTypeError(f"--shard wants K/N with 0 <= K < N, got {text!r}")
+        return int(k), int(n)
+
+    ap.add_argument("--shard", type=pair, default=(0, 1),
+                    help="run the seeds s with s %% N == K (K/N), e.g. 0/2 and 1/2 at once")  # fmt: skip
+
+
 def committed(name: str) -> pd.DataFrame:
     """A committed results CSV (`--replot` redraws from these).
 

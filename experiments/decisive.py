@@ -19,11 +19,10 @@ in the first and last 50 steps) and decisive.png.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pandas as pd
-from common import committed, parse_args, publish, running_mean, write_table
+from common import committed, parse_args, publish, running_mean, shard_option, write_table
 from matplotlib.figure import Figure
 from paired_stats import paired_table
 
@@ -153,17 +152,12 @@ def figure(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def options(ap: argparse.ArgumentParser) -> None:
-    """decisive.py's own option: `--shard K/N`."""
-    ap.add_argument("--shard", default="0/1", help="run the seeds s with s %% N == K (K/N), e.g. 0/2 and 1/2 at once")
-
-
 def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/decisive_{preset}"), extra=options)
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/decisive_{preset}"), extra=shard_option)
     if args.replot:
         frame = committed("decisive_steps.csv")
     else:
-        k, n = (int(x) for x in args.shard.split("/"))
+        k, n = args.shard
         frame = run_all(args.preset, args.runs, not args.quiet, (k, n))
         if frame is None:
             print(f"shard {k}/{n} done; run without --shard to collect")

@@ -22,14 +22,11 @@ fair_r3.png.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pandas as pd
-from common import WARM_STARTS, committed, parse_args, publish, warm_started, write_table
-from mismatch import METHODS, SOURCES, figure, summarize
-
-from moe_replay.rl import TrainConfig, train
+from common import WARM_STARTS, committed, parse_args, publish, shard_option, warm_started, write_table
+from mismatch import SOURCES, figure, run_arm, summarize
 
 NOISE = 0.04  # ~10% of routed expert choices differ at the warm start (--calibrate measures it)
 ARMS = ("GRPO", "GRPO + R2", "GRPO + R3", "GSPO")
@@ -65,35 +62,16 @@ def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0
         init = warm_started(runs / WARM_STARTS.name, steps=p["warm_start_steps"], seed=seed)
         for source in SOURCES:
             for method in (arm for arm in ARMS if seed in p["seeds"][arm]):
-                tag = f"{method.lower().replace(' + ', '_')}_{source}_seed{seed}"
-                cfg = TrainConfig(
-                    output=str(runs / tag),
-                    init=str(init),
-                    seed=seed,
-                    steps=p["steps"],
-                    old_logprob_source=source,
-                    heldout_prompts=p["heldout"],
-                    eval_every=p["eval_every"],
-                    rollout_selection_noise=NOISE,
-                    **dict(zip(("prompts", "group_size", "minibatches"), p["batch"], strict=True)),
-                    **METHODS[method],
-                )
-                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
-                frames.append(log.assign(arm=f"{method}, π_old {source}", method=method, source=source, seed=seed))
+                frames.append(run_arm(runs, init, seed, method, source, p, progress, rollout_selection_noise=NOISE))
     return pd.concat(frames, ignore_index=True) if n == 1 else None
 
 
-def options(ap: argparse.ArgumentParser) -> None:
-    """fair_r3.py's own option: `--shard K/N`."""
-    ap.add_argument("--shard", default="0/1", help="run the seeds s with s %% N == K (K/N), e.g. 0/2 and 1/2 at once")
-
-
 def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/fair_r3_{preset}"), extra=options)
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/fair_r3_{preset}"), extra=shard_option)
     if args.replot:
         frame = committed("fair_r3_steps.csv")
     else:
-        k, n = (int(x) for x in args.shard.split("/"))
+        k, n = args.shard
         frame = run_all(args.preset, args.runs, not args.quiet, (k, n))
         if frame is None:
             print(f"shard {k}/{n} done; run without --shard to collect")

@@ -54,26 +54,33 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
     for seed in p["seeds"]:
         init = warm_started(runs / WARM_STARTS.name, steps=p["warm_start_steps"], seed=seed)
         for source in SOURCES:
-            for method, settings in METHODS.items():
-                arm = f"{method}, π_old {source}"
-                tag = f"{method.lower().replace(' + ', '_')}_{source}_seed{seed}"
-                cfg = TrainConfig(
-                    output=str(runs / tag),
-                    init=str(init),
-                    seed=seed,
-                    steps=p["steps"],
-                    old_logprob_source=source,
-                    heldout_prompts=p["heldout"],
-                    eval_every=p["eval_every"],
-                    **dict(zip(("prompts", "group_size", "minibatches"), p.get("batch", (16, 8, 4)), strict=True)),
-                    **SAMPLER,
-                    **settings,
-                )
-                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
-                frames.append(log.assign(arm=arm, method=method, source=source, seed=seed))
+            for method in METHODS:
+                frames.append(run_arm(runs, init, seed, method, source, p, progress, **SAMPLER))
     frame = pd.concat(frames, ignore_index=True)
     write_table(frame, out / "mismatch_steps.csv")
     return frame
+
+
+def run_arm(
+    runs: Path, init: Path, seed: int, method: str, source: str, p: dict, progress: bool, **sampler: object
+) -> pd.DataFrame:
+    """Train (or resume) one arm, `method` of METHODS with π_old from `source`, at preset `p` with the `sampler`
+    settings; its step log, tagged with arm, method, source and seed."""
+    tag = f"{method.lower().replace(' + ', '_')}_{source}_seed{seed}"
+    cfg = TrainConfig(
+        output=str(runs / tag),
+        init=str(init),
+        seed=seed,
+        steps=p["steps"],
+        old_logprob_source=source,
+        heldout_prompts=p["heldout"],
+        eval_every=p["eval_every"],
+        **dict(zip(("prompts", "group_size", "minibatches"), p.get("batch", (16, 8, 4)), strict=True)),
+        **sampler,
+        **METHODS[method],
+    )
+    log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
+    return log.assign(arm=f"{method}, π_old {source}", method=method, source=source, seed=seed)
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:

@@ -28,12 +28,11 @@ index: the medians over steps), why_replay_hurts_summary.csv and why_replay_hurt
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib
 import pandas as pd
-from common import WARM_STARTS, committed, parse_args, publish, warm_started, write_table
+from common import WARM_STARTS, committed, parse_args, publish, shard_option, warm_started, write_table
 from matplotlib.figure import Figure
 from paired_stats import gap_columns, last_evaluations
 from stress import STRESS
@@ -148,17 +147,12 @@ def _plot(data: pd.DataFrame, **kw: object) -> None:
     plots.over_training(data, group="arm", **kw)
 
 
-def options(ap: argparse.ArgumentParser) -> None:
-    """This script's own option: `--shard K/N`."""
-    ap.add_argument("--shard", default="0/1", help="run the seeds s with s %% N == K (K/N), e.g. 0/2 and 1/2 at once")
-
-
 def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/why_replay_hurts_{preset}"), extra=options)
+    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/why_replay_hurts_{preset}"), extra=shard_option)
     if args.replot:
         frame, stale = committed("why_replay_hurts_steps.csv"), committed("why_replay_hurts_staleness.csv")
     else:
-        k, n = (int(x) for x in args.shard.split("/"))
+        k, n = args.shard
         frame, stale = run_all(args.preset, args.runs, not args.quiet, (k, n))
         if frame.empty:
             print(f"shard {k}/{n} done; run without --shard to collect")
