@@ -101,7 +101,8 @@ class Routes:
         list gives an empty batch (B=0).
         """
         idx = batch_index(idx, self.batch_size, self.device)
-        return Routes._trusted(self.indices[idx], self.mask[idx], self.layers, _at(self.version, idx))
+        version = None if self.version is None else self.version[idx]
+        return Routes._trusted(self.indices[idx], self.mask[idx], self.layers, version)
 
     @classmethod
     def cat(cls, parts: Sequence[Routes]) -> Routes:
@@ -240,11 +241,6 @@ def check_structure(indices: torch.Tensor, mask: torch.Tensor, layers: Sequence[
     if mask.device != indices.device:
         raise ValueError(f"mask is on {mask.device} but indices on {indices.device}")
     return check_layers(layers, K, f"indices have K={K}")
-
-
-def _at(version: torch.Tensor | None, where: Any) -> torch.Tensor | None:
-    """`version` selected by a batch index (None stays None)."""
-    return None if version is None else version[where]
 
 
 def _pad_t(x: torch.Tensor, T: int) -> torch.Tensor:
