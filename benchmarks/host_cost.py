@@ -11,7 +11,8 @@ adds per router call, writes a CSV and ends with `targets met: N/M`.
     python benchmarks/host_cost.py --count --models group   # group-limited routing (DeepSeek-V3 of the tiny shape)
     python benchmarks/host_cost.py --calls --top 20   # calls added on the tiny model, the 20 largest named (seconds)
 
-The works (B=1, no grad): a replayed forward of T=32 tokens with the context opened and closed around it (a log-prob
+The works (B=1, no grad, inside a `keep_warm` scope on the model, as a training loop runs them; the cold row of
+`--count` outside one): a replayed forward of T=32 tokens with the context opened and closed around it (a log-prob
 chunk, a minibatch), 10 replayed forwards in one context, recording under `generate` of 32 new tokens; each against
 the same work without moe-replay. Timed: all the forward variants of a model run in one loop (order reversed every
 round), and so do the generate variants; a ratio is the median over rounds of ours / plain within the round, and an
@@ -30,6 +31,7 @@ of each work on the tiny model after warm-up, ours against plain: the same every
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import statistics
 import sys
@@ -44,7 +46,7 @@ from callgrind import build_helper, counted, run_counted
 from run import REALISTIC, TINY, build, generate_fn, sync, write_rows
 from torch.overrides import TorchFunctionMode
 
-from moe_replay import record_routes, replay_routes
+from moe_replay import keep_warm, record_routes, replay_routes
 
 TARGETS = {  # issue 18: (work, model) -> largest ratio
     ("replay forward", "tiny"): 1.08,
@@ -59,6 +61,7 @@ COUNTED = {  # --count: work -> (ours, plain, repetitions on the tiny model, rou
     "replay forward": ("ours", "plain", 5, 1),
     f"replay forward, {HELD} per context": ("held", "plain_held", 2, HELD),
     "record generate": ("record", "generate", 2, 32),
+    "replay forward, cold": ("ours", "plain", 5, 1),  # outside any keep_warm scope: each context walks the model
 }
 LAYERS = {"tiny": 4, "realistic": 8, "group": 4}
 
@@ -137,13 +140,14 @@ def works(model: torch.nn.Module, device: str = "cpu") -> dict[str, Callable[[],
     return dict(ours=ours, held=held, plain=plain, plain_held=plain_held, record=record, generate=generate)
 
 
-def timed(args: argparse.Namespace) -> int:
+def timed(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     """The timed rows of both models (the module's docstring)."""
     reps_fwd, reps_gen = (100, 5) if args.quick else (400, 61)
     torch.set_num_threads(args.threads)
     rows, met = [], []
     for label in ("tiny", "realistic"):
         model = model_named(label, args.device)
+        stack.enter_context(keep_warm(model))
         fns = works(model, args.device)
         layers = model.config.num_hidden_layers
         scale = 1 if label == "tiny" else 2  # the realistic forward is about 15x slower: fewer repeats (8 rounds
@@ -201,7 +205,11 @@ def count(args: argparse.Namespace) -> int:
                 ours, plain, reps, per_layer = COUNTED[work]
                 reps = max(1, reps // (2 if name == "realistic" else 1))
                 flag = "no-gc" if args.no_gc else "gc"
-                a, b = (counted(__file__, ["--_child", w, name, str(reps), helper, flag], reps) for w in (ours, plain))
+                scope = "cold" if work.endswith("cold") else "warm"
+                a, b = (
+                    counted(__file__, ["--_child", w, name, str(reps), helper, flag, scope], reps)
+                    for w in (ours, plain)
+                )
                 row = {
                     "work": f"{work}, {name}, B=1",
                     "ours_minstr": round(a / 1e6, 3),
@@ -251,14 +259,17 @@ def python_calls(fn: Callable[[], object]) -> Counter[str]:
     return seen
 
 
-def calls(top: int) -> int:
+def calls(top: int, stack: contextlib.ExitStack) -> int:
     """--calls: the calls and torch functions each work adds on the tiny model, per repetition and per router call."""
     torch.set_num_threads(1)
     model = model_named("tiny")
+    stack.enter_context(keep_warm(model))
     fns, L = works(model), model.config.num_hidden_layers
     print("work (tiny, B=1) | calls (Python and C): ours / plain | extra per router call | torch functions: "
           "ours / plain")  # fmt: skip
     for name, (ours, plain, _, per_layer) in COUNTED.items():
+        if name.endswith("cold"):
+            continue  # (calls inside the scope only)
         mine, without = fns[ours], fns[plain]
         for fn in (mine, without, mine, without):  # warm-up: the first contexts learn the router class's facts
             fn()
@@ -292,14 +303,17 @@ def main() -> int:
     ap.add_argument("--works", nargs="+", choices=list(COUNTED), default=list(COUNTED), help="--count's (all three)")
     ap.add_argument("--no-gc", action="store_true", help="--count: collector off while counting (exact repeats)")
     ap.add_argument("--top", type=int, default=0, help="--calls: also list the N functions that add the most calls")
-    ap.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--_child", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:
-        work, name, reps, helper, flag = args._child  # this process runs under valgrind, counting `work`
+        work, name, reps, helper, flag, scope = args._child  # this process runs under valgrind, counting `work`
         torch.set_num_threads(1)
-        run_counted(works(model_named(name))[work], int(reps), helper, collect=flag == "gc")
+        model = model_named(name)
+        with keep_warm(model) if scope == "warm" else contextlib.nullcontext():
+            run_counted(works(model)[work], int(reps), helper, collect=flag == "gc")
         return 0
-    return count(args) if args.count else calls(args.top) if args.calls else timed(args)
+    with contextlib.ExitStack() as stack:  # the keep_warm scopes of the models measured
+        return count(args) if args.count else calls(args.top, stack) if args.calls else timed(args, stack)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,15 @@ Example:
 
 from .analysis import ExpertChange, expert_change, measure_mismatch, measure_update_drift, teacher_forced_routes
 from .engines import record_routes, replay_routes
-from .engines.hf import find_routers
-from .errors import ReplayError, RoutesFileError, UnsupportedGenerationError, UnsupportedModelError
+from .engines.hf import find_routers, keep_warm
+from .errors import (
+    ForeignThreadError,
+    NestedContextError,
+    ReplayError,
+    RoutesFileError,
+    UnsupportedGenerationError,
+    UnsupportedModelError,
+)
 from .routes import LayerInfo, Routes
 from .routes_packed import Packed, PackedRoutes, pack_routes, unpack_routes
 from .routes_segments import Segment, assemble_routes, fresh
@@ -20,7 +27,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ExpertChange",
+    "ForeignThreadError",
     "LayerInfo",
+    "NestedContextError",
     "Packed",
     "PackedRoutes",
     "ReplayError",
@@ -34,6 +43,7 @@ __all__ = [
     "expert_change",
     "find_routers",
     "fresh",
+    "keep_warm",
     "measure_mismatch",
     "measure_update_drift",
     "pack_routes",

@@ -10,7 +10,7 @@ import moe_replay
 
 PACKAGE = Path(moe_replay.__file__).parent
 # the rank of each top-level part; modules directly in the package (routes*, errors, layers, tiny) are rank 0
-RANK = {"engines": 1, "hooks": 1, "analysis": 2, "rl": 2, "integrations": 3, "cli": 4, "demo": 4}
+RANK = {"engines": 1, "analysis": 2, "rl": 2, "integrations": 3, "cli": 4}
 EXEMPT = {"__init__"}  # the package's own namespace re-exports from every part
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from ..routes import Routes
 from ..routes_packed import Packed, PackedRoutes
 from . import hf, megatron
-from .hf.layout import walked
+from .hf.warm import is_warm
 from .packed import PackedReplayer
 
 
@@ -28,7 +28,7 @@ def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | 
         ...     out = model.generate(**batch, do_sample=True, return_dict_in_generate=True)
         >>> routes = rec.routes
     """
-    if walked(model):  # a transformers model a context walked before (as often as once per minibatch)
+    if is_warm(model):  # a transformers model walked in a keep_warm scope (a context per minibatch)
         return hf.RouteRecorder(model)
     if megatron.is_megatron_model(model):
         return megatron.record_routes(model)
@@ -62,7 +62,7 @@ def replay_routes(
         plain = Routes._trusted(routes.indices, routes.mask, routes.layers)
         inner = replay_routes(model, plain, track_live=track_live)
         return PackedReplayer(model, routes, inner, megatron=isinstance(inner, megatron.MegatronRouteReplayer))
-    if walked(model):  # a transformers model a context walked before (as often as once per log-prob chunk)
+    if is_warm(model):  # a transformers model walked in a keep_warm scope (a context per log-prob chunk)
         return hf.RouteReplayer(model, routes, track_live=track_live)
     if megatron.is_megatron_model(model):
         return megatron.replay_routes(model, routes, track_live=track_live)

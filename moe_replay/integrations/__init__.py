@@ -6,6 +6,6 @@
   `routes_from_megatron_inference`, the routes those engines return as `Routes` (no engine dependency: they read the
   engines' outputs).
 
-An integration builds on the engines; an engine never imports one. `moe_replay.integrations.megatron` is a shim for
-`moe_replay.engines.megatron`.
+An integration builds on the engines; an engine never imports one. `moe_replay.integrations.megatron` is deprecated:
+its names warn and are `moe_replay.engines.megatron`'s.
 """

@@ -1,7 +1,5 @@
-"""What running a router class taught the hub, kept per model so that it outlives the hub.
-
-The hub is dropped when the last context on a model closes, and an RL loop opens a context per minibatch: the facts
-live on the model (not in module globals) so they are learned once per model and router class.
+"""What running a router class taught the hub: per model, learned afresh by each outermost context, or once per
+router class inside a `keep_warm` scope (warm.py), which keeps them with the model's other warm state.
 """
 
 from __future__ import annotations
@@ -16,9 +14,7 @@ from torch import nn
 from .discover import RouterSite
 from .patch import patched_by
 
-ATTR = "_moe_replay_router_facts"
 DESCRIPTORS = (staticmethod, classmethod, property)  # class attributes `class_methods` keeps besides callables
-SIGNATURES = "_moe_replay_forward_signatures"
 _MRO = attrgetter("__mro__")
 
 
@@ -45,21 +41,6 @@ class RouterFacts:
     def __getstate__(self) -> dict:
         """A saved or copied model's facts forget the functions (a patched one may not pickle): relearned on use."""
         return {**self.__dict__, "watch": None}
-
-
-def router_facts(model: nn.Module) -> dict[type, RouterFacts]:
-    """The facts learned so far about the router classes of `model` (created empty on first use).
-
-    Example:
-        >>> with record_routes(model):  # doctest: +SKIP
-        ...     model(ids)
-        >>> router_facts(model)[Qwen3MoeTopKRouter].topk_in_router  # doctest: +SKIP
-        True
-    """
-    facts = model.__dict__.get(ATTR)
-    if facts is None:
-        facts = model.__dict__[ATTR] = {}
-    return facts
 
 
 def class_methods(cls: type) -> tuple[tuple[str, Any], ...]:
@@ -165,16 +146,15 @@ def own_forward(module: nn.Module) -> Any:
     return value
 
 
-def facts_for(model: nn.Module, watch: dict[type, tuple]) -> dict[type, RouterFacts]:
-    """The (possibly still empty) facts about each router class in `watch` (`watched`) on `model`: new ones for a
-    class whose methods or MoE blocks changed since they were learned (a kernel library or a user patching them
-    between contexts).
+def facts_for(facts: dict[type, RouterFacts], watch: dict[type, tuple]) -> dict[type, RouterFacts]:
+    """`facts` (a model's, by router class) with the (possibly still empty) facts of each router class in `watch`
+    (`watched`): new ones for a class whose methods or MoE blocks changed since they were learned (a kernel library
+    or a user patching them between contexts).
 
     Example:
-        >>> facts_for(model, watched(sites))[Qwen3MoeTopKRouter].redirect  # doctest: +SKIP
-        {False: 1}
+        >>> facts_for({}, watched(sites))[Qwen3MoeTopKRouter].redirect  # doctest: +SKIP
+        {}
     """
-    facts = router_facts(model)
     for cls, now in watch.items():
         found = facts.get(cls)
         if found is None or found.watch != now:
@@ -182,14 +162,13 @@ def facts_for(model: nn.Module, watch: dict[type, tuple]) -> dict[type, RouterFa
     return facts
 
 
-def stale(model: nn.Module, watch: dict[type, tuple]) -> list[type]:
-    """The router classes in `watch` (`watched`) whose facts on `model` were not learned on what it holds now.
+def stale(facts: dict[type, RouterFacts], watch: dict[type, tuple]) -> list[type]:
+    """The router classes in `watch` (`watched`) whose `facts` were not learned on what they hold now.
 
     Example:
-        >>> stale(model, watched(model_layout(model).sites))  # doctest: +SKIP
+        >>> stale(hub.warm.facts, watched(hub.sites))  # doctest: +SKIP
         []
     """
-    facts = router_facts(model)
     return [cls for cls, now in watch.items() if (found := facts.get(cls)) is None or found.watch != now]
 
 
@@ -215,11 +194,3 @@ def runs_class_methods(router: nn.Module) -> bool:
             if getattr(cls, name, None) is not None:
                 return False
     return True
-
-
-def signature_cache(model: nn.Module) -> dict:
-    """The model's cache of its forwards' parsed signatures (steps.py), kept across hubs like the facts."""
-    cache = model.__dict__.get(SIGNATURES)
-    if cache is None:
-        cache = model.__dict__[SIGNATURES] = {}
-    return cache

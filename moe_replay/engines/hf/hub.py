@@ -10,10 +10,10 @@ A recording without replay, of a router class known to return its top-k indices,
 from the router's output.
 
 One hub per model holds the hooks for all active contexts, so that a recording nested in a replay sees the replayed
-experts; its hooks are removed with the last context. The hub itself (and the methods it patched) is kept with the
-model's layout for the next context, which re-installs the same wrappers while what they wrap is unchanged: a context
-per minibatch or log-prob chunk then costs a few dictionary writes, not a rebuild. A copied or saved model carries no
-hub.
+experts; its hooks are removed with the last context, and the hub with them. Inside a `keep_warm` scope (warm.py) the
+hub (and the methods it patched) is kept with the model's layout for the next context, which re-installs the same
+wrappers while what they wrap is unchanged: a context per minibatch or log-prob chunk then costs a few dictionary
+writes, not a rebuild. A copied or saved model carries no hub.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ...errors import ForeignThreadError, NestedContextError, ReplayError
 from .adapters import refuse_idle
 from .call import Recorder, Replayer, RouterCall
 from .discover import RouterSite
-from .facts import RouterFacts, Unchanged, facts_for, runs_class_methods, signature_cache, stale, watched
+from .facts import RouterFacts, Unchanged, facts_for, runs_class_methods, stale, watched
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
@@ -36,19 +36,21 @@ from .redirect import Redirects
 from .selectors import selectors_for
 from .steps import Step, StepTracker, step_wrapper
 from .stream import Taken
+from .warm import ATTR, Warm, warm_state
 from .wrapper import router_wrapper
 
 
 class RouterHub:
     """Hooks on one model, shared by every active record/replay context on it."""
 
-    def __init__(self, model: nn.Module, layout: Layout) -> None:
+    def __init__(self, model: nn.Module, layout: Layout, warm: Warm) -> None:
         self.model = model
-        self.layout = layout  # kept on the model between contexts while its module tree holds, and this hub with it
+        self.warm = warm  # what the model's contexts learned: kept with a `keep_warm` scope, else with this hub
+        self.layout = layout  # kept in `warm` while the model's module tree holds, and this hub with it
         self.sites: list[RouterSite] = list(layout.sites)
         self.selectors = [selectors_for(s.router) for s in self.sites]
         self._tracked: list[nn.Module] = list(layout.tracked)
-        self._signatures = signature_cache(model)  # kept on the model across hubs (steps.py)
+        self._signatures = warm.signatures  # kept across hubs in a `keep_warm` scope (steps.py)
         self.redirects = Redirects()  # routers whose own torch.topk alone is intercepted
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)
@@ -66,6 +68,7 @@ class RouterHub:
         # Mutated in place (the routers' wrappers hold the list), set by `_record_from_outputs`
         self.record_from: list[dict[bool, int | None] | None] = [None] * len(self.sites)
         self._reading = False  # whether `record_from` is set
+        self.then_undo: list[Patches] = []  # a `keep_warm` scope closed before the contexts: undone after the last
         self._reset()
 
     def _reset(self) -> None:
@@ -104,12 +107,13 @@ class RouterHub:
             drop_stale(model, hub)  # left on a shallow copy (copy.copy) of a hooked model
             hub = None
         if hub is None:
-            layout = model_layout(model)
+            warm = warm_state(model)
+            layout = model_layout(model, warm)
             hub = layout.kept.get("hub")
             if isinstance(hub, cls) and hub.model is model:
                 hub._reset()
             else:
-                hub = layout.kept["hub"] = cls(model, layout)
+                hub = layout.kept["hub"] = cls(model, layout, warm)
             try:
                 hub._install()
             except BaseException:
@@ -121,7 +125,7 @@ class RouterHub:
                 "thread are open on it: open and use a model's contexts in one thread"
             )
         else:  # the open contexts' wrappers stay: what they learned must still hold
-            changed = stale(model, watched(hub.sites))
+            changed = stale(hub.warm.facts, watched(hub.sites))
             if changed:
                 raise ReplayError(
                     f"the methods or MoE blocks of router class {', '.join(c.__name__ for c in changed)} were patched "
@@ -153,8 +157,22 @@ class RouterHub:
                     queue.drop(handler)
             if not self.recorders and not self.replayers:
                 self._patches.undo()
+                for patches in self.then_undo:
+                    patches.undo()
+                    patches.close()
+                self.then_undo = []
+                if self.model.__dict__.get(ATTR) is not self.warm:  # no scope keeps it: it goes with this hub
+                    self.warm.drop()
+                    self.release()
             else:
                 self._record_from_outputs(not self.replayers)
+
+    def release(self) -> None:
+        """Break the references between this hub and its wrappers once nothing keeps it (its last context closed
+        outside a `keep_warm` scope, or the scope closed): it is freed at once, with what it holds, not at the next
+        garbage collection."""
+        self._patches.close()
+        self._wrappers.clear()
 
     def _record_from_outputs(self, on: bool) -> None:
         """Let the routers whose MoE block runs unwrapped record each call from their output alone (`on`: the open
@@ -191,13 +209,13 @@ class RouterHub:
             seen = Unchanged(self.sites)  # (taken first: a change in between is found by the next context)
             watch = watched(self.sites)
             self._watch = (seen, watch)
-        if wrapped == self._installed and not stale(self.model, watch) and self._patches.redo():
+        if wrapped == self._installed and not stale(self.warm.facts, watch) and self._patches.redo():
             # the last context's patches, set again as they were (which also means no other hub's patch is on its
             # modules, and no router's class changed since they were set), and no router class's method was patched
             # since its facts were learned: the facts the hub kept still hold
             return
         # the facts about each router's class (a class patched since has none yet), and where to intercept
-        facts = facts_for(self.model, watch)
+        facts = facts_for(self.warm.facts, watch)
         self.facts = [facts[type(s.router)] for s in self.sites]
         self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
         wrapped = tuple(self.router_only)

@@ -1,12 +1,12 @@
-"""What a hub needs to know about a model's module tree, found by one walk and kept on the model between contexts.
+"""What a hub needs to know about a model's module tree, found by one walk and kept between contexts in a
+`keep_warm` scope (warm.py).
 
 An RL loop opens a context per minibatch or per log-prob chunk; walking every module each time costs more than the
-router calls of a small forward. The routers, their scopes and the tracked models are kept on the model with a
-stamp: every module that had children at the walk (the model first), with a copy of its children by name. A context
-reuses them only if each of those modules still has the same children, so a module added, removed or replaced
-anywhere in the tree (a new layer, a dense MLP or a whole dense layer swapped for an MoE one, a PEFT or checkpoint
-wrapper) is found by a fresh walk. Not stamped: a child given to a module that had none (a Linear, a norm), whose
-forward calls no child.
+router calls of a small forward. The routers, their scopes and the tracked models are kept with a stamp: every module
+that had children at the walk (the model first), with a copy of its children by name. A context reuses them only if
+each of those modules still has the same children, so a module added, removed or replaced anywhere in the tree (a new
+layer, a dense MLP or a whole dense layer swapped for an MoE one, a PEFT or checkpoint wrapper) is found by a fresh
+walk. Not stamped: a child given to a module that had none (a Linear, a norm), whose forward calls no child.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import nn
 
 from .adapters import idle_copies, running_copy, saved_copies
 from .discover import RouterSite, find_routers
+from .warm import Warm
 
-ATTR = "_moe_replay_layout"
 # (the modules that have children, the model first; a copy of each one's children by name)
 Stamp = tuple[tuple[nn.Module, ...], tuple[dict[str, nn.Module | None], ...]]
 _CHILDREN = attrgetter("_modules")
@@ -40,14 +40,15 @@ class Layout:
     kept: dict = field(default_factory=dict, compare=False)
 
 
-def model_layout(model: nn.Module) -> Layout:
-    """The model's routers and tracked models: the kept ones while the stamp holds, else from a fresh walk.
+def model_layout(model: nn.Module, warm: Warm) -> Layout:
+    """The model's routers and tracked models: those kept in `warm` while the stamp holds, else from a fresh walk
+    (kept there).
 
     Example:
-        >>> [site.name for site in model_layout(model).sites]  # doctest: +SKIP
+        >>> [site.name for site in model_layout(model, Warm()).sites]  # doctest: +SKIP
         ['model.layers.1.mlp.gate', 'model.layers.2.mlp.gate']
     """
-    kept = model.__dict__.get(ATTR)
+    kept = warm.layout
     if isinstance(kept, Layout):
         # every module of the stamp still has the same children under the same names (the model first): then a walk
         # would find the same modules under the same names. Compared in one C loop, inline: this runs per context
@@ -64,20 +65,9 @@ def model_layout(model: nn.Module) -> Layout:
     idle = idle_copies(modules, wrappers, tuple({type(s.router) for s in sites}))
     stamp = (parents, tuple(dict(m._modules) for m in parents))
     layout = Layout(sites, (model, *(m for _, m in tracked)), stamp, copies, idle)
-    model.__dict__[ATTR] = layout
+    warm.drop()  # (the hub kept with the old layout, if any, is not open: a model's open hub is found first)
+    warm.layout = layout
     return layout
-
-
-def walked(model: object) -> bool:
-    """Whether `model` is a transformers model that a record/replay context has walked (its layout is kept on it): then
-    it needs no other test of which engine it runs on.
-
-    Example:
-        >>> walked(nn.Linear(2, 2))
-        False
-    """
-    own = getattr(model, "__dict__", None)
-    return own is not None and ATTR in own
 
 
 def _tracked(

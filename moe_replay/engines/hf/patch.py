@@ -104,6 +104,11 @@ class Patches:
             self._undone, self._undone_copyable = entries, self._copyable
         self._copyable = set()
 
+    def close(self) -> None:
+        """Done with these patches (after `undo`): drop what `redo` would set again and the owner, which refer back to
+        the owner's wrappers and the owner."""
+        self._undone, self._undone_copyable, self.owner = [], set(), None
+
     def redo(self) -> bool:
         """Set again every attribute the last `undo` removed, if nothing is set now and every module still has, on
         itself and on its class, what it had when the attribute was first set, and a wrapped method's module the same

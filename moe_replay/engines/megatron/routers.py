@@ -31,9 +31,7 @@ def megatron_api() -> tuple[type, Any]:
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
     except ImportError as e:
-        raise ImportError(
-            f"moe_replay.integrations.megatron needs megatron-core with RouterReplay: {INSTALL_HINT}"
-        ) from e
+        raise ImportError(f"moe_replay.engines.megatron needs megatron-core with RouterReplay: {INSTALL_HINT}") from e
     from megatron.core.package_info import __version__
 
     check_version(__version__)

@@ -8,8 +8,7 @@ import torch
 from helpers import PAD, hook_count, left_padded, perturb, recorded, sampled, tiny_qwen3_moe
 from torch import nn
 
-from moe_replay import ReplayError, Routes, UnsupportedGenerationError, record_routes, replay_routes
-from moe_replay.engines.hf import router_facts
+from moe_replay import ReplayError, Routes, UnsupportedGenerationError, keep_warm, record_routes, replay_routes
 
 
 def test_checkpointed_backward_outside_the_context_is_refused(qwen):
@@ -283,28 +282,34 @@ def test_interception_narrows_to_the_router_unless_top_k_runs_in_the_block(qwen)
 
     ids, mask = left_padded(2, 5, [0, 1])
     for model, expected in ((qwen, True), (build_tiny_model("dbrx"), False)):
-        with record_routes(model) as rec:
-            model(ids, attention_mask=mask)
-            facts = router_facts(model)  # learned per model, per router class
+        with keep_warm(model) as scope:
+            with record_routes(model) as rec:
+                model(ids, attention_mask=mask)
+                model(ids, attention_mask=mask)  # the narrowed (or not) second call records the same routes
+            facts = scope.facts  # learned per model, per router class
             assert [f.topk_in_router for f in facts.values()] == [expected]
-            model(ids, attention_mask=mask)  # the narrowed (or not) second call records the same routes
         first, second = rec.batches
         assert first.equal(second)
 
 
-def test_router_facts_live_on_the_model_and_outlive_the_hub(qwen):
-    """What the hub learns about a router class is kept per model (not in module globals) and survives the hub,
-    which is dropped when the last context closes."""
+def test_what_contexts_learn_is_kept_only_inside_keep_warm(qwen):
+    """What a context learns about a router class is kept for the next context only inside a `keep_warm` scope on
+    that model (not in module globals, not on the model once the scope closes)."""
     ids, mask = left_padded(2, 5, [0, 1])
-    assert router_facts(qwen) == {}
+    before = set(qwen.__dict__)
     first = recorded(qwen, ids, mask)
-    (facts,) = router_facts(qwen).values()
-    assert facts.topk_in_router is True and facts.output_index == {False: 2}  # eval: output 2 is the top-k's indices
-    assert "_moe_replay_hub" not in qwen.__dict__
-    assert recorded(qwen, ids, mask).equal(first)  # the next context starts from the facts (reads output 2)
-    other = tiny_qwen3_moe()
-    assert router_facts(other) == {}  # another model of the same classes learns its own
-    assert recorded(other, ids, mask).equal(first)
+    assert set(qwen.__dict__) == before  # no scope: nothing kept
+    with keep_warm(qwen) as scope:
+        assert scope.facts == {}
+        assert recorded(qwen, ids, mask).equal(first)
+        (facts,) = scope.facts.values()
+        assert facts.topk_in_router is True and facts.output_index == {False: 2}  # eval: output 2 is the indices
+        assert recorded(qwen, ids, mask).equal(first)  # the next context starts from the facts (reads output 2)
+        other = tiny_qwen3_moe()
+        with keep_warm(other) as theirs:
+            assert theirs.facts == {}  # another model of the same classes learns its own
+            assert recorded(other, ids, mask).equal(first)
+    assert set(qwen.__dict__) == before
 
 
 def test_a_reused_mask_buffer_does_not_change_what_was_recorded(qwen):

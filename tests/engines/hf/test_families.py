@@ -15,8 +15,8 @@ from families import FamilyNotBuildable, build_tiny_model, discover_moe_families
 from helpers import perturb, sampled
 from transformers.utils import logging
 
-from moe_replay import UnsupportedModelError, find_routers, record_routes, replay_routes
-from moe_replay.engines.hf import UNSUPPORTED, router_facts
+from moe_replay import UnsupportedModelError, find_routers, keep_warm, record_routes, replay_routes
+from moe_replay.engines.hf import UNSUPPORTED
 
 logging.set_verbosity_error()
 
@@ -96,8 +96,9 @@ def test_unsupported_families_raise_naming_the_class(family):
     [pytest.param(f, torch.float32, id=f"{f}-fp32") for f in FAMILIES]
     + [pytest.param(f, torch.bfloat16, id=f"{f}-bf16") for f in BF16 if f in FAMILIES],
 )
-def test_generate_routes_match_teacher_forcing_and_replay_is_exact(family, dtype):
+def test_generate_routes_match_teacher_forcing_and_replay_is_exact(warm, family, dtype):
     model = build(family, dtype)
+    warm(model)  # (what its contexts learn is kept for the paths compared at the end)
     ids, mask = batch(model)
     torch.manual_seed(0)
     out, gen = sampled(model, ids, mask, 4, output_logits=True, pad_token_id=pad_id(model))
@@ -139,7 +140,8 @@ def test_replay_forces_recorded_experts_after_update(family):
     assert not live.equal(routes), "perturbing every weight changed no expert choice: the check would be vacuous"
     assert not torch.equal(live_logits, forced_logits)
     # redirected top-k calls (redirect.py, learned in the first call) replay exactly as the TorchFunctionMode path
-    facts = list(router_facts(model).values())
+    with keep_warm(model) as scope:
+        facts = list(scope.facts.values())
     learned = [dict(f.redirect) for f in facts]
     logits = {}
     for path in ("redirect", "mode"):

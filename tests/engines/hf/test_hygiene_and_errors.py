@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import PAD, hook_count, left_padded, perturb, recorded, tiny_qwen3_moe
@@ -13,6 +15,7 @@ from moe_replay import (
     Routes,
     UnsupportedGenerationError,
     UnsupportedModelError,
+    keep_warm,
     record_routes,
     replay_routes,
 )
@@ -207,9 +210,11 @@ def test_a_model_saved_inside_a_context_is_clean_and_the_context_goes_on(qwen, t
     assert recorded(loaded, ids, mask).equal(expected)
 
 
-def test_contexts_and_router_calls_leave_no_cyclic_garbage(qwen):
+@pytest.mark.parametrize("scoped", [False, True], ids=["cold", "keep_warm"])
+def test_contexts_and_router_calls_leave_no_cyclic_garbage(qwen, scoped):
     """Everything a context and its router calls make is freed when they end (no reference cycles): the replayed
-    index tensors are not held until a garbage collection, and a context per forward does not keep triggering one."""
+    index tensors are not held until a garbage collection, and a context per forward does not keep triggering one.
+    Cold, the hub goes with the last context; in a `keep_warm` scope it goes when the scope closes."""
     import gc
 
     ids, mask = left_padded(2, 5, [0, 1])
@@ -222,11 +227,14 @@ def test_contexts_and_router_calls_leave_no_cyclic_garbage(qwen):
         with replay_routes(qwen, routes, track_live=True):
             qwen(ids, attention_mask=mask).logits.sum().backward()
 
-    work()  # first use: learns the router class's facts
+    scope = keep_warm(qwen) if scoped else contextlib.nullcontext()
+    work()  # first use (torch's and transformers' own caches)
     gc.collect()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
-        work()
+        with scope:
+            work()
+            work()
         gc.collect()
         ours = [type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("moe_replay")]
         tensors = sum(isinstance(o, torch.Tensor) for o in gc.garbage)

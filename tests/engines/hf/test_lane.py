@@ -7,10 +7,9 @@ import pytest
 import torch
 from helpers import left_padded, tiny_qwen3_moe
 
-from moe_replay import LayerInfo, ReplayError, Routes, UnsupportedModelError, record_routes, replay_routes
+from moe_replay import LayerInfo, ReplayError, Routes, UnsupportedModelError, keep_warm, record_routes, replay_routes
 from moe_replay.engines.hf import call as call_module
 from moe_replay.engines.hf import lane as lane_module
-from moe_replay.engines.hf.facts import router_facts
 
 
 @pytest.fixture
@@ -27,19 +26,27 @@ def calls(monkeypatch):  # noqa: ANN001, ANN201
     return opened
 
 
+def facts_of(model):  # noqa: ANN001, ANN202
+    """What the `keep_warm` scope open on the model learned about its router class (a nested scope shares it)."""
+    with keep_warm(model) as scope:
+        (facts,) = scope.facts.values()
+    return facts
+
+
 def learned(model, ids, mask):  # noqa: ANN001, ANN202
     """Live logits and routes, after a first replay that learns the router's facts (on the general path)."""
     with torch.no_grad(), record_routes(model) as rec:
         live = model(ids, attention_mask=mask).logits
     with torch.no_grad(), replay_routes(model, rec.routes):
         model(ids, attention_mask=mask)
-    (facts,) = router_facts(model).values()
+    facts = facts_of(model)
     assert facts.redirect == {False: 1}
     return live, rec.routes
 
 
-def test_a_replay_alone_runs_in_the_lane_and_replays_exactly(calls):
+def test_a_replay_alone_runs_in_the_lane_and_replays_exactly(warm, calls):
     model = tiny_qwen3_moe()
+    warm(model)
     ids, mask = left_padded(3, 9, [0, 2, 4])  # padded positions route live: the plan's mask is applied
     live, routes = learned(model, ids, mask)
     calls.clear()
@@ -60,7 +67,7 @@ def lane_then_mode(model, routes, ids, mask, calls):  # noqa: ANN001, ANN201
     lane_calls = list(calls)
     lane_grads = [g.weight.grad.clone() for g in gates(model)]
     model.zero_grad()
-    (facts,) = router_facts(model).values()
+    facts = facts_of(model)
     facts.redirect[False] = 0  # the mode path, for comparison
     with replay_routes(model, routes):
         mode_out = model(ids, attention_mask=mask).logits
@@ -73,13 +80,16 @@ def lane_then_mode(model, routes, ids, mask, calls):  # noqa: ANN001, ANN201
     return lane_out.detach(), lane_calls
 
 
-def test_an_all_recorded_selection_takes_the_lanes_short_path_with_the_same_outputs_and_gradients(calls, monkeypatch):
+def test_an_all_recorded_selection_takes_the_lanes_short_path_with_the_same_outputs_and_gradients(
+    warm, calls, monkeypatch
+):
     """Routes recorded at every position: the lane forces the top-k without `forced_topk` (its short path), with the
     logits and router gradients of the general path; padded routes still go through `forced_topk`."""
     general = []
     real = lane_module.forced_topk
     monkeypatch.setattr(lane_module, "forced_topk", lambda *a, **k: general.append(1) or real(*a, **k))
     model = tiny_qwen3_moe()
+    warm(model)
     ids, mask = left_padded(2, 7, [0, 0], seed=3)
     live, routes = learned(model, ids, mask)
     assert bool(routes.mask.all())
@@ -87,7 +97,7 @@ def test_an_all_recorded_selection_takes_the_lanes_short_path_with_the_same_outp
     lane_out, lane_calls = lane_then_mode(model, routes, ids, mask, calls)
     assert lane_calls == [] and general == []  # the lane, its short path (the mode path's forced_topk is not lane's)
     assert torch.equal(lane_out, live)
-    (facts,) = router_facts(model).values()
+    facts = facts_of(model)
     facts.redirect[False] = 1
     padded, pad_mask = left_padded(2, 7, [0, 2], seed=3)
     with torch.no_grad(), record_routes(model) as rec:
@@ -101,8 +111,9 @@ def gates(model):  # noqa: ANN001, ANN202
     return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
 
 
-def test_a_call_with_more_to_do_leaves_the_lane(calls):
+def test_a_call_with_more_to_do_leaves_the_lane(warm, calls):
     model = tiny_qwen3_moe()
+    warm(model)
     ids, mask = left_padded(2, 8, [0, 3])
     live, routes = learned(model, ids, mask)
     calls.clear()
@@ -123,8 +134,9 @@ def test_a_call_with_more_to_do_leaves_the_lane(calls):
     assert len(calls) == 2 * 2 * 2  # two forwards: each MoE layer's call and its recompute in the backward
 
 
-def test_the_lane_refuses_routes_it_cannot_apply(calls):
+def test_the_lane_refuses_routes_it_cannot_apply(warm, calls):
     model = tiny_qwen3_moe()
+    warm(model)
     ids, mask = left_padded(2, 8, [0, 3])
     _, routes = learned(model, ids, mask)
     calls.clear()
@@ -149,10 +161,11 @@ def zero_indices(module, inputs, out) -> None:  # noqa: ANN001
     out[2].zero_()
 
 
-def test_a_context_reuses_a_span_conversion_only_while_routes_and_given_indices_are_unchanged():
+def test_a_context_reuses_a_span_conversion_only_while_routes_and_given_indices_are_unchanged(warm):
     """Forwards of the same span in one context share one conversion of the routes: an in-place edit of the routes,
     or of the indices a router was given, between them makes a fresh one."""
     model = tiny_qwen3_moe()
+    warm(model)
     ids, mask = left_padded(2, 8, [0, 0])  # all recorded: a router is given the converted indices themselves
     routes = learned(model, ids, mask)[1]
     other = tiny_qwen3_moe(seed=1)
@@ -180,7 +193,7 @@ def test_a_context_reuses_a_span_conversion_only_while_routes_and_given_indices_
 
 
 @pytest.mark.parametrize("device_mask", [False, True])
-def test_an_in_place_edit_of_the_routes_mask_inside_a_context_is_followed(monkeypatch, device_mask):
+def test_an_in_place_edit_of_the_routes_mask_inside_a_context_is_followed(warm, monkeypatch, device_mask):
     """Positions whose mask is set False in place, inside the context, route live from the next forward on; with a
     mask on a device (as on a GPU; simulated here), the host copy that tells whether a span is all recorded is made
     again after the edit."""
@@ -189,6 +202,7 @@ def test_an_in_place_edit_of_the_routes_mask_inside_a_context_is_followed(monkey
     if device_mask:
         monkeypatch.setattr(replay_module, "on_host", lambda tensor: False)
     model = tiny_qwen3_moe()
+    warm(model)
     ids, mask = left_padded(2, 8, [0, 0])
     routes = learned(model, ids, mask)[1]
     other = tiny_qwen3_moe(seed=1)
@@ -210,7 +224,7 @@ def test_an_in_place_edit_of_the_routes_mask_inside_a_context_is_followed(monkey
 
 @pytest.mark.parametrize("small", [True, False], ids=["converted-per-span", "converted-per-call"])
 @pytest.mark.parametrize("track_live", [False, True], ids=["lane", "general-path"])
-def test_the_experts_get_contiguous_indices_under_replay_as_from_a_live_top_k(monkeypatch, small, track_live):
+def test_the_experts_get_contiguous_indices_under_replay_as_from_a_live_top_k(warm, monkeypatch, small, track_live):
     """The indices a replayed router returns reach the experts contiguous, as a live top-k's do: a strided view
     (a layer's columns of the routes) would cost the experts a copy per router call (grouped_mm reshapes them)."""
     from moe_replay.engines.hf import replay as replay_module
@@ -218,6 +232,7 @@ def test_the_experts_get_contiguous_indices_under_replay_as_from_a_live_top_k(mo
     if not small:
         monkeypatch.setattr(replay_module, "SMALL_FORWARD", 0)
     model = tiny_qwen3_moe()
+    warm(model)
     ids, mask = left_padded(2, 8, [0, 0])  # all recorded: the experts get the converted indices themselves
     routes = learned(model, ids, mask)[1]
     given = []

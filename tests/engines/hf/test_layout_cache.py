@@ -1,5 +1,5 @@
-"""The module walk kept between contexts (layout.py): reused while the model's tree holds, found again when a router,
-a layer or a wrapper changes it, so a context never hooks a stale set of routers."""
+"""The module walk kept between contexts in a `keep_warm` scope (layout.py): reused while the model's tree holds, found
+again when a router, a layer or a wrapper changes it, so a context never hooks a stale set of routers."""
 
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from moe_replay import record_routes, replay_routes
 from moe_replay.engines.hf.layout import model_layout
+from moe_replay.engines.hf.warm import KeepWarm
 from moe_replay.errors import ReplayError
 from moe_replay.layers import plain_name
+
+
+def layout(scope: KeepWarm):  # noqa: ANN201
+    """The layout the next context in `scope` uses: the kept one while the tree holds, else a fresh walk."""
+    return model_layout(scope.model, scope.warm)
 
 
 def recorded_layers(model, ids):  # noqa: ANN001, ANN202
@@ -24,56 +30,57 @@ def recorded_layers(model, ids):  # noqa: ANN001, ANN202
     return rec.routes.layer_names
 
 
-def test_layout_is_kept_and_found_again_when_the_tree_changes():
+def test_layout_is_kept_and_found_again_when_the_tree_changes(warm):
     model = build_tiny_model("qwen3_moe")
+    w = warm(model)
     ids = torch.randint(5, 100, (1, 6))
     first = recorded_layers(model, ids)
-    kept = model_layout(model)
-    assert model_layout(model) is kept  # no new walk while nothing changed
+    kept = layout(w)
+    assert layout(w) is kept  # no new walk while nothing changed
     assert recorded_layers(model, ids) == first
 
     layers = model.model.layers
     layers.append(copy.deepcopy(layers[-1]))  # a new MoE layer: its router must be hooked and recorded
     model.config.num_hidden_layers += 1
     grown = recorded_layers(model, ids)
-    assert model_layout(model) is not kept and len(grown) == len(first) + 1
+    assert layout(w) is not kept and len(grown) == len(first) + 1
 
-    kept = model_layout(model)
+    kept = layout(w)
     block = layers[1].mlp
     block.gate = copy.deepcopy(block.gate)  # the same path, another router instance
-    assert model_layout(model) is not kept
-    assert model_layout(model).sites[0].router is block.gate
+    assert layout(w) is not kept
+    assert layout(w).sites[0].router is block.gate
 
-    kept = model_layout(model)
+    kept = layout(w)
     layers[0] = copy.deepcopy(layers[1])  # the dense first layer swapped for an MoE one: same number of children
-    assert model_layout(model) is not kept
+    assert layout(w) is not kept
     grown = recorded_layers(model, ids)
     assert len(grown) == len(first) + 2
 
-    kept = model_layout(model)
+    kept = layout(w)
     layers[1] = checkpoint_wrapper(layers[1])  # a wrapper renames the path: found again
-    assert model_layout(model) is not kept
+    assert layout(w) is not kept
     assert [plain_name(n) for n in recorded_layers(model, ids)] == grown
 
     clone = copy.deepcopy(model)  # a copy never uses the original's modules
-    assert all(
-        a.router is not b.router for a, b in zip(model_layout(clone).sites, model_layout(model).sites, strict=True)
-    )
+    w_clone = warm(clone)
+    assert all(a.router is not b.router for a, b in zip(layout(w_clone).sites, layout(w).sites, strict=True))
 
 
-def test_a_dense_mlp_swapped_for_an_moe_block_inside_a_kept_layer_is_found():
+def test_a_dense_mlp_swapped_for_an_moe_block_inside_a_kept_layer_is_found(warm):
     """Sparse upcycling in place: the dense first layer keeps its place and gets an MoE block as its `mlp`. That layer
     is on no path to a router, yet a fresh walk must find the new router (found while profiling: the layout kept only
     the paths to the routers, so the new layer was silently left out of the recording)."""
     model = build_tiny_model("qwen3_moe")
+    w = warm(model)
     ids = torch.randint(5, 100, (1, 6))
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
     before = rec.routes
     assert not any(name.startswith("model.layers.0.") for name in before.layer_names)  # the first layer is dense
-    kept = model_layout(model)
+    kept = layout(w)
     model.model.layers[0].mlp = copy.deepcopy(model.model.layers[1].mlp)
-    assert model_layout(model) is not kept
+    assert layout(w) is not kept
     with torch.no_grad(), record_routes(model) as rec:
         expected = model(ids).logits
     assert rec.routes.layer_names == ["model.layers.0.mlp.gate", *before.layer_names]
@@ -83,18 +90,17 @@ def test_a_dense_mlp_swapped_for_an_moe_block_inside_a_kept_layer_is_found():
         assert torch.equal(model(ids).logits, expected)
 
 
-def test_a_router_class_swapped_in_place_is_learned_afresh():
+def test_a_router_class_swapped_in_place_is_learned_afresh(warm):
     """torch's parametrize swaps a router's class in place for a subclass that keeps its forward: the kept hub looks up
     the facts of the class that now runs instead of reusing the old class's (found by review), and still replays."""
     from torch.nn.utils import parametrize
 
-    from moe_replay.engines.hf.facts import router_facts
-
     model = build_tiny_model("qwen3_moe")
+    w = warm(model)
     ids = torch.randint(5, 100, (1, 6))
     recorded_layers(model, ids)  # learns the router class's facts
     recorded_layers(model, ids)  # patches set as learned: the next context sets them again as they are
-    router = model_layout(model).sites[0].router
+    router = layout(w).sites[0].router
     before = type(router)
 
     class Scaled(nn.Module):
@@ -105,21 +111,22 @@ def test_a_router_class_swapped_in_place_is_learned_afresh():
     assert type(router) is not before and type(router).forward is before.forward
     with torch.no_grad(), record_routes(model) as rec:
         expected = model(ids).logits
-    assert type(router) in router_facts(model)  # learned for the class that ran
+    assert type(router) in w.facts  # learned for the class that ran
     with torch.no_grad(), replay_routes(model, rec.routes):
         assert torch.equal(model(ids).logits, expected)
 
 
-def test_a_router_class_helper_patched_between_contexts_is_learned_afresh(monkeypatch):
+def test_a_router_class_helper_patched_between_contexts_is_learned_afresh(warm, monkeypatch):
     """LongCat-Flash's router returns the indices its `get_topk_indices` helper returns: learned once, its output is
     read for them. A helper patched on the class afterwards (here one that remaps the ids it returns) must have its
     top-k recorded, not its output: replaying the remapped ids would remap them again, with no error (found by
     review: the facts were kept while the class's `forward` was unchanged)."""
     model = build_tiny_model("longcat_flash").eval()
+    w = warm(model)
     ids = torch.randint(5, 100, (2, 6))
     recorded_layers(model, ids)
     recorded_layers(model, ids)  # the patches are set again as they were, the router read from its output
-    cls = type(model_layout(model).sites[0].router)
+    cls = type(layout(w).sites[0].router)
     helper = cls.get_topk_indices
 
     def remapped(self, scores):  # noqa: ANN001, ANN202
@@ -163,13 +170,14 @@ def experts_used(model, ids, context):  # noqa: ANN001, ANN201
 
 
 @pytest.mark.parametrize("where", ["class", "instance"])
-def test_an_moe_block_forward_patched_between_contexts_is_learned_afresh(monkeypatch, where):
+def test_an_moe_block_forward_patched_between_contexts_is_learned_afresh(warm, monkeypatch, where):
     """The router class's facts say its top-k runs inside the router, so later contexts wrap the router alone. A block
     forward patched afterwards that ranks the logits itself must be intercepted again: recorded, the experts the
     block used; replayed, the experts forced (found by review: the block ran unseen, with no error)."""
     import types
 
     model = build_tiny_model("qwen3_moe").eval()
+    w = warm(model)
     ids = torch.randint(5, 100, (2, 6))
     other = copy.deepcopy(model)
     perturb(other, scale=1.0)
@@ -178,9 +186,9 @@ def test_an_moe_block_forward_patched_between_contexts_is_learned_afresh(monkeyp
     routes = rec.routes
     recorded_layers(model, ids)  # learns that the top-k runs in the router
     if where == "class":
-        monkeypatch.setattr(model_layout(model).sites[0].scope.__class__, "forward", biased_block_forward)
+        monkeypatch.setattr(layout(w).sites[0].scope.__class__, "forward", biased_block_forward)
     else:
-        for site in model_layout(model).sites:
+        for site in layout(w).sites:
             site.scope.forward = types.MethodType(biased_block_forward, site.scope)
     recorder = record_routes(model)
     used = experts_used(model, ids, recorder)
@@ -188,16 +196,17 @@ def test_an_moe_block_forward_patched_between_contexts_is_learned_afresh(monkeyp
     assert torch.equal(experts_used(model, ids, replay_routes(model, routes)), routes.indices.long().sort(-1).values)
 
 
-def test_a_patch_made_while_a_context_is_open_is_refused_by_a_nested_context_or_copied_as_it_opens(monkeypatch):
+def test_a_patch_made_while_a_context_is_open_is_refused_by_a_nested_context_or_copied_as_it_opens(warm, monkeypatch):
     """The open contexts' wrappers run what they hooked: a nested context refuses a router class or block patched
     meanwhile, and copies again a module-level name its redirected forward reads (here `F`, patched)."""
     import types
 
     model = build_tiny_model("qwen3_moe").eval()
+    w = warm(model)
     ids = torch.randint(5, 100, (2, 6))
     recorded_layers(model, ids)  # learns the router class (its top-k redirected)
-    block = type(model_layout(model).sites[0].scope)
-    scope = type(model_layout(model).sites[0].router).forward.__globals__
+    block = type(layout(w).sites[0].scope)
+    scope = type(layout(w).sites[0].router).forward.__globals__
     F = scope["F"]
     tripled = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
     tripled.linear = lambda x, w, b=None: 3 * F.linear(x, w, b)
@@ -212,19 +221,20 @@ def test_a_patch_made_while_a_context_is_open_is_refused_by_a_nested_context_or_
             record_routes(model).__enter__()
 
 
-def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_saved(tmp_path):
+def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_saved(warm, tmp_path):
     """A context per minibatch reuses the hub and its patched methods (no hooks stay between contexts); a method the
     user replaced in between is wrapped afresh; a deep copy or a saved model carries no hub."""
     model = build_tiny_model("qwen3_moe").eval()
+    w = warm(model)
     ids = torch.randint(5, 100, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
-    router = model_layout(model).sites[0].router
-    hub = model_layout(model).kept["hub"]
+    router = layout(w).sites[0].router
+    hub = layout(w).kept["hub"]
     assert "forward" not in router.__dict__  # unhooked once the context closed
     with torch.no_grad(), replay_routes(model, rec.routes):
         wrapper = router.__dict__["forward"]
-        assert model_layout(model).kept["hub"] is hub
+        assert layout(w).kept["hub"] is hub
         model(ids)
     with torch.no_grad(), replay_routes(model, rec.routes):
         assert router.__dict__["forward"] is wrapper  # the same wrapper, reused
@@ -247,7 +257,7 @@ def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_
         assert router.__dict__["forward"] is not counted
         model(ids)
         inside = copy.deepcopy(model)  # the copy hook of a context set up from the kept patches
-    copied = dict(inside.named_modules())[model_layout(model).sites[0].name]
+    copied = dict(inside.named_modules())[layout(w).sites[0].name]
     assert calls == [1] and "forward" not in copied.__dict__ and "forward" not in router.__dict__
 
     cls, original = type(router), type(router).forward
@@ -261,15 +271,16 @@ def test_the_hub_and_its_wrappers_are_kept_between_contexts_but_never_copied_or_
         cls.forward = class_forward  # the class's method replaced between contexts: its wrappers are made afresh
         with torch.no_grad(), replay_routes(model, rec.routes):
             model(ids)
-        assert len(seen) == len(model_layout(model).sites)
+        assert len(seen) == len(layout(w).sites)
     finally:
         cls.forward = original
 
     clone = copy.deepcopy(model)
-    assert model_layout(clone).kept.get("hub") is None
+    w_clone = warm(clone)
+    assert layout(w_clone).kept.get("hub") is None
     with torch.no_grad(), record_routes(clone) as again:
         clone(ids)
-    assert torch.equal(again.routes.indices, rec.routes.indices) and model_layout(clone).kept["hub"] is not hub
+    assert torch.equal(again.routes.indices, rec.routes.indices) and layout(w_clone).kept["hub"] is not hub
     torch.save(model, tmp_path / "model.pt")  # a hub (closures) would not pickle
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     with torch.no_grad(), record_routes(loaded) as third:

@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import left_padded, perturb, recorded, tiny_qwen3_moe
 
-from moe_replay import ReplayError, replay_routes
+from moe_replay import ReplayError, find_routers, keep_warm, replay_routes
 from moe_replay.engines.hf import recompute
-from moe_replay.engines.hf.layout import model_layout
+from moe_replay.engines.hf.patch import MARKER
 
 
 def checkpointed(reentrant: bool):  # noqa: ANN201
@@ -29,18 +29,25 @@ def router_grads(model, ids, mask, routes) -> list[torch.Tensor]:  # noqa: ANN00
     model.zero_grad(set_to_none=True)
     with replay_routes(model, routes):
         model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward()
-    return [s.router.weight.grad.clone() for s in model_layout(model).sites]
+    return [s.router.weight.grad.clone() for s in find_routers(model)]
 
 
 def queues_empty(model) -> bool:  # noqa: ANN001
-    return all(queue.empty for queue in model_layout(model).kept["hub"].pending)
+    """Whether no call waits for its recompute in the hub of the open contexts, or else in the one the `keep_warm`
+    scope open on the model keeps for the next context."""
+    hub = model.__dict__.get(MARKER)
+    if hub is None:
+        with keep_warm(model) as scope:
+            hub = scope.warm.layout.kept["hub"]
+    return all(queue.empty for queue in hub.pending)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_a_context_closed_before_the_backward_of_a_checkpointed_forward_is_an_error(reentrant):
+def test_a_context_closed_before_the_backward_of_a_checkpointed_forward_is_an_error(warm, reentrant):
     """The recompute in the backward needs the context open: closing it first raises, naming the calls still waiting;
     the next context (on the model's kept hub) starts with nothing waiting and replays its own backward's recompute."""
     model, ids, mask, routes = checkpointed(reentrant)
+    warm(model)  # (the hub, kept between contexts, is looked at after they close)
     expected = router_grads(model, ids, mask, routes)
     with pytest.raises(ReplayError, match=r"\d+ replayed router calls still wait for their recompute"):
         with replay_routes(model, routes):
@@ -54,11 +61,12 @@ def test_a_context_closed_before_the_backward_of_a_checkpointed_forward_is_an_er
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_the_calls_a_context_queued_leave_with_it(reentrant):
+def test_the_calls_a_context_queued_leave_with_it(warm, reentrant):
     """The recomputed calls kept for a second backward (retain_graph) belong to their context: a nested replay's leave
     as it closes, while the outer context stays open, and the outer's as it closes (found by review: no test failed
     when they stayed)."""
     model, ids, mask, routes = checkpointed(reentrant)
+    warm(model)  # (the hub, kept between contexts, is looked at after they close)
     with replay_routes(model, routes):
         with replay_routes(model, routes):
             model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward(retain_graph=True)
@@ -90,7 +98,7 @@ def test_recomputes_of_batches_of_64_that_share_their_first_token_take_their_own
         loss = model(a, labels=a, use_cache=False).loss
         with replay_routes(model, rb):
             (loss + model(b, labels=b, use_cache=False).loss).backward()
-    got = [s.router.weight.grad for s in model_layout(model).sites]
+    got = [s.router.weight.grad for s in find_routers(model)]
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
 

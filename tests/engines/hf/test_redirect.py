@@ -7,13 +7,14 @@ import torch
 from families import build_tiny_model
 from helpers import perturb
 
-from moe_replay import record_routes, replay_routes
-from moe_replay.engines.hf.facts import router_facts
+from moe_replay import keep_warm, record_routes, replay_routes
 from moe_replay.engines.hf.selectors import GroupTopK
 
 
 def facts_of(model):  # noqa: ANN001, ANN202
-    (facts,) = router_facts(model).values()
+    """What the `keep_warm` scope open on the model learned about its router class (a nested scope shares it)."""
+    with keep_warm(model) as scope:
+        (facts,) = scope.facts.values()
     return facts
 
 
@@ -35,8 +36,9 @@ def replayed(model, routes, ids, redirect: int | None):  # noqa: ANN001, ANN202
     return logits.detach(), grads
 
 
-def test_a_plain_topk_router_is_redirected_and_replays_like_the_mode_path():
+def test_a_plain_topk_router_is_redirected_and_replays_like_the_mode_path(warm):
     model = build_tiny_model("qwen3_moe").train()
+    warm(model)
     ids = torch.randint(5, 100, (2, 10))
     with torch.no_grad(), record_routes(model) as rec:
         live = model(ids).logits
@@ -49,12 +51,13 @@ def test_a_plain_topk_router_is_redirected_and_replays_like_the_mode_path():
     assert all(g.abs().sum() > 0 for g in fast_grads)  # the router still gets gradients
 
 
-def test_a_group_limited_router_is_redirected_and_steers_its_groups_like_the_mode_path(monkeypatch):
+def test_a_group_limited_router_is_redirected_and_steers_its_groups_like_the_mode_path(warm, monkeypatch):
     """DeepSeek-V2's group-limited greedy routing makes three top-k calls: each group's best score (over [tokens,
     groups, experts per group], a method call left as it is), the groups, then the experts (both `torch.topk` in its
     forward). Replayed on a changed model, the group top-k must keep the recorded experts' groups, or their weights
     are masked to zero: the redirected path steers it as the mode path does."""
     model = build_tiny_model("deepseek_v2").train()
+    warm(model)
     ids = torch.randint(5, 100, (2, 10))
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
@@ -70,18 +73,20 @@ def test_a_group_limited_router_is_redirected_and_steers_its_groups_like_the_mod
     assert not torch.equal(unsteered, mode)
 
 
-def test_routers_that_do_not_qualify_keep_the_mode():
+def test_routers_that_do_not_qualify_keep_the_mode(warm):
     ids = torch.randint(5, 100, (2, 8))
     # a top-k called as a tensor method (GraniteMoE), which the proxy for `torch` cannot see
     model = build_tiny_model("granitemoe")
+    warm(model)
     with torch.no_grad(), record_routes(model) as rec:
         live = model(ids).logits
     with torch.no_grad(), replay_routes(model, rec.routes):
         assert torch.equal(model(ids).logits, live)
-    assert [f.redirect for f in router_facts(model).values()] == [{False: 0}]
+    assert [facts_of(model).redirect] == [{False: 0}]
 
     # a wrapper in front of the router's forward (as accelerate's hooks install): redirecting would bypass it
     model = build_tiny_model("qwen3_moe")
+    warm(model)
     calls = []
     for gate in gates(model):
         gate.forward = lambda *a, _f=gate.forward, **k: calls.append(1) or _f(*a, **k)
@@ -95,6 +100,7 @@ def test_routers_that_do_not_qualify_keep_the_mode():
 
     # a top-k called from a helper, not from the router's own forward
     model = build_tiny_model("qwen3_moe")
+    warm(model)
     gate_cls = type(gates(model)[0])
     source = gate_cls.forward
 
@@ -118,16 +124,17 @@ def test_routers_that_do_not_qualify_keep_the_mode():
     for _ in range(2):
         with torch.no_grad(), replay_routes(model, rec.routes):
             assert torch.equal(model(ids).logits, live)
-    assert router_facts(model)[HelperTopK].redirect == {False: 0}
+    assert facts_of(model).redirect == {False: 0}
 
 
-def test_the_redirected_forward_runs_what_its_module_holds_when_a_context_opens(monkeypatch):
+def test_the_redirected_forward_runs_what_its_module_holds_when_a_context_opens(warm, monkeypatch):
     """The redirected copy of a router's forward reads its module's globals from a copy of them: a module-level name
     patched between contexts (a kernel library, a user's patch of `F`) is copied again as the next context opens,
     so the copy runs what the class's forward would (found by review: it ran the first context's `F`)."""
     import types
 
     model = build_tiny_model("qwen3_moe").eval()
+    warm(model)
     ids = torch.randint(5, 100, (2, 10))
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
@@ -143,19 +150,21 @@ def test_the_redirected_forward_runs_what_its_module_holds_when_a_context_opens(
     assert torch.equal(fast, mode) and not torch.equal(fast, before)
 
 
-def test_the_redirected_forward_runs_the_torch_attributes_torch_holds_when_a_context_opens(monkeypatch):
+def test_the_redirected_forward_runs_the_torch_attributes_torch_holds_when_a_context_opens(warm, monkeypatch):
     """The same for what the forward reads as `torch.<name>` (the proxy holds torch's attributes as they were): a
     torch attribute replaced between contexts is read again as the next context opens, and a context that finds
     nothing replaced copies nothing."""
     import types
 
     model = build_tiny_model("qwen3_moe").eval()
+    warm(model)
     ids = torch.randint(5, 100, (2, 10))
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
     before, _ = replayed(model, rec.routes, ids, None)
     assert facts_of(model).redirect == {False: 1}
-    copy = next(iter(model._moe_replay_layout.kept["hub"].redirects._forwards.values()))
+    with keep_warm(model) as scope:
+        copy = next(iter(scope.warm.layout.kept["hub"].redirects._forwards.values()))
     kept = copy.refreshed
     again, _ = replayed(model, rec.routes, ids, None)
     assert torch.equal(again, before) and copy.refreshed is kept  # nothing replaced: nothing copied

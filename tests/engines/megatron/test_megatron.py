@@ -472,11 +472,21 @@ def test_routes_save_load_and_top_level_dispatch(tmp_path):
 
 
 def test_missing_megatron_says_how_to_install(monkeypatch):
-    from moe_replay.integrations import megatron
+    from moe_replay.engines import megatron
 
     monkeypatch.setitem(sys.modules, "megatron.core.transformer.moe.router", None)
     with pytest.raises(ImportError, match=r"pip install 'moe-replay\[megatron\]'"):
         megatron.find_routers(torch.nn.Linear(2, 2))
+
+
+def test_old_integrations_path_warns_and_gives_the_engine():
+    from moe_replay.engines import megatron
+    from moe_replay.integrations import megatron as old
+
+    with pytest.warns(DeprecationWarning, match=r"moved to moe_replay\.engines\.megatron\.record_routes"):
+        assert old.record_routes is megatron.record_routes
+    with pytest.warns(DeprecationWarning), pytest.raises(AttributeError):
+        old.no_such_name  # noqa: B018
 
 
 def test_engine_routes_replay_on_megatron():

@@ -1,0 +1,105 @@
+"""Which path a router call takes: the Hugging Face engine's one table (docs/design.md follows each path file by file).
+
+A router's wrapper (wrapper.py) asks `before_call` first; the first row that holds decides:
+
+    situation of the router's forward                                                  path
+    ---------------------------------------------------------------------------------  ----------------------------
+    a backward (checkpoint recompute), no tracked forward running, or a call already   CALL   (call.py, below)
+      opened by its MoE block
+    recording alone; its class returns its top-k's indices (`RouterFacts.output_index`)  READ   (wrapper.read_output)
+      and its MoE block runs unwrapped (`hub.record_from`)
+    replay alone; its one top-k over each token's scores is a `torch.topk` written in   LANE   (lane.lane_path)
+      its own forward (`RouterFacts.redirect == 1`), its block unwrapped, no live
+      tally and no recompute to come (`lane_ready`)
+    anything else                                                                       CALL
+
+A CALL is one `RouterCall`, opened by whichever of the router and its MoE block runs first (the block's wrapper always
+takes CALL). `in_call` then decides, for each of the two wrappers that runs inside it:
+
+    situation inside the call                                                          path
+    ---------------------------------------------------------------------------------  ----------------------------
+    the router, recorded only, not a recompute, its class returns its top-k's indices  HOLD      (the output, as is)
+    the call already intercepts (the block's mode is on), or this is the block of a    AS_IS
+      router known to select inside itself
+    the router, its top-k calls all `torch.topk` in its own forward, block unwrapped   REDIRECT  (redirect.py)
+    anything else                                                                       MODE      (call.InterceptMode)
+
+`MOE_REPLAY_PATH=general` (read when an outermost context installs its hooks) wraps every MoE block and takes none of
+READ, LANE, HOLD and REDIRECT: every call runs under the `TorchFunctionMode`, the path that needs no learned fact (the
+tests run the families both ways). What these rows read is set by the hub (hub.py) and learned in end_call (call.py);
+the paths themselves test none of it again.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .lane import lane_ready
+from .steps import Step
+
+ENV = "MOE_REPLAY_PATH"
+CHOICES = ("auto", "general")
+READ, LANE, CALL = "read", "lane", "call"  # before a call opens
+HOLD, AS_IS, REDIRECT, MODE = "hold", "as is", "redirect", "mode"  # inside a call
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward (`autograd.in_backward`)
+
+
+def general_path() -> bool:
+    """Whether `MOE_REPLAY_PATH` asks for the general path only (`general`) or lets the table choose (`auto`, unset).
+
+    Example:
+        >>> general_path()  # MOE_REPLAY_PATH unset
+        False
+    """
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r} is not one of {', '.join(CHOICES)}")
+    return value == "general"
+
+
+def before_call(hub: Any, i: int, router: nn.Module, step: Step | None, redirectable: bool) -> str:
+    """The path of a forward of router `i` of `hub` (hub.py) in `step`: READ, LANE or CALL (the first table above).
+    `redirectable`: the hub has a redirected copy of the router's forward (redirect.py).
+
+    Example:
+        >>> before_call(hub, 0, router, hub.tracker.current, True)  # doctest: +SKIP
+        'lane'
+    """
+    if step is None or hub.calls[i] is not None or _graph_task() != -1:
+        return CALL
+    index = hub.record_from[i]  # (None unless the open contexts only record and the block runs unwrapped)
+    if index is not None:
+        return CALL if index.get(router.training) is None else READ
+    if (  # (the hooks are set only while a context is open: no recorder means a replayer)
+        redirectable
+        and not hub.recorders
+        and hub.router_only[i]
+        and hub.facts[i].redirect.get(router.training, 0) == 1
+        and (step is hub.lane_step or lane_ready(hub, step))
+    ):
+        return LANE
+    return CALL
+
+
+def in_call(hub: Any, call: Any, router: nn.Module, is_router: bool, redirectable: bool) -> str:
+    """The path of the router's forward (`is_router`) or its MoE block's inside `call` (call.py): HOLD, AS_IS,
+    REDIRECT or MODE (the second table above). `redirectable` as for `before_call`.
+
+    Example:
+        >>> in_call(hub, call, router, True, True)  # doctest: +SKIP
+        'redirect'
+    """
+    i = call.index
+    alone = hub.router_only[i]  # (False throughout under MOE_REPLAY_PATH=general)
+    if is_router and alone and call.plan is None and not call.recompute and hub.reads_output(i):
+        if hub.facts[i].output_index.get(router.training) is not None:
+            return HOLD
+    if call.intercepting or (alone and not is_router):
+        return AS_IS
+    if redirectable and is_router and alone and hub.facts[i].redirect.get(router.training, 0):
+        return REDIRECT
+    return MODE
