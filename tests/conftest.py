@@ -26,3 +26,16 @@ def warm():  # noqa: ANN201
     between them, which only a scope keeps)."""
     with contextlib.ExitStack() as stack:
         yield lambda model: stack.enter_context(keep_warm(model))
+
+
+@pytest.fixture
+def auto_path(monkeypatch):  # noqa: ANN001, ANN201
+    """The path table's own choice (MOE_REPLAY_PATH unset): for tests of which path a router call takes."""
+    monkeypatch.delenv("MOE_REPLAY_PATH", raising=False)
+
+
+@pytest.fixture(params=["auto", "general"])
+def path(request, monkeypatch):  # noqa: ANN001, ANN201
+    """Runs a test twice: on the paths the table picks, and with MOE_REPLAY_PATH=general on the general path alone."""
+    monkeypatch.setenv("MOE_REPLAY_PATH", request.param)
+    return request.param

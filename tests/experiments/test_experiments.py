@@ -36,6 +36,7 @@ def run_quick(script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch | Non
     return tmp_path / "out"
 
 
+@pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
 def test_compare_quick_preset(tmp_path):
     run_quick("compare.py", tmp_path)
     steps = pd.read_csv(tmp_path / "out" / "compare_steps.csv")
@@ -50,6 +51,7 @@ def test_compare_quick_preset(tmp_path):
     assert image.shape[0] > 500 and image.shape[1] > 800
 
 
+@pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
 def test_sweep_quick_preset(tmp_path, monkeypatch):
     run_quick("sweep.py", tmp_path, monkeypatch)
     steps = pd.read_csv(tmp_path / "out" / "sweep_steps.csv")
@@ -93,6 +95,7 @@ def test_mechanism_quick_preset(tmp_path, monkeypatch):
     assert image.shape[0] > 300 and image.shape[1] > 800
 
 
+@pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
 def test_mismatch_quick_preset(tmp_path, monkeypatch):
     run_quick("mismatch.py", tmp_path, monkeypatch)
     steps = pd.read_csv(tmp_path / "out" / "mismatch_steps.csv")
@@ -106,6 +109,7 @@ def test_mismatch_quick_preset(tmp_path, monkeypatch):
     assert image.shape[0] > 300 and image.shape[1] > 800
 
 
+@pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
 def test_stress_quick_preset(tmp_path, monkeypatch):
     run_quick("stress.py", tmp_path, monkeypatch)
     steps = pd.read_csv(tmp_path / "out" / "stress_steps.csv")
@@ -122,6 +126,7 @@ def test_stress_quick_preset(tmp_path, monkeypatch):
     assert image.shape[0] > 300 and image.shape[1] > 500
 
 
+@pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
 def test_scaling_quick_preset(tmp_path, monkeypatch):
     out = run_quick("scaling.py", tmp_path, monkeypatch)
     steps = pd.read_csv(out / "scaling_steps.csv")
@@ -138,6 +143,7 @@ def test_scaling_quick_preset(tmp_path, monkeypatch):
     assert mpimg.imread(out / "scaling.png").shape[1] > 1000
 
 
+@pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
 def test_long_answers_quick_preset(tmp_path, monkeypatch):
     out = run_quick("long_answers.py", tmp_path, monkeypatch)
     steps = pd.read_csv(out / "long_answers_steps.csv")

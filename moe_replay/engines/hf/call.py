@@ -212,7 +212,8 @@ def end_call(hub: Any, call: RouterCall) -> None:
         hub.taken.append((call.layer, *call.held, call.num_experts))
         return
     if not hub.router_only[i] and call.active:
-        hub.router_only[i] = facts.topk_in_router = not call.outside_router
+        facts.topk_in_router = not call.outside_router
+        hub.router_only[i] = facts.topk_in_router and not hub.general
     if call.topk_sites and hub.router_only[i] and router.training not in facts.redirect:
         # redirected top-k calls go to the top-k selectors, so the last must be the plain one
         plain = bool(call.selectors) and type(call.selectors[-1]) is TopK

@@ -31,6 +31,7 @@ from .facts import RouterFacts, Unchanged, facts_for, runs_class_methods, stale,
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
+from .paths import general_path
 from .recompute import RecomputeQueue
 from .redirect import Redirects
 from .selectors import selectors_for
@@ -63,6 +64,7 @@ class RouterHub:
         # `_install` whenever the patches are not set again exactly as they were
         self.facts: list[RouterFacts] = []
         self.router_only: list[bool] = []
+        self.general = False  # MOE_REPLAY_PATH=general at install: `router_only` stays all False (paths.py)
         # per router, while the open contexts only record and its MoE block runs unwrapped: its class's
         # `output_index` (facts.py), through which a call is recorded from the router's output alone; else None.
         # Mutated in place (the routers' wrappers hold the list), set by `_record_from_outputs`
@@ -201,6 +203,9 @@ class RouterHub:
         return n
 
     def _install(self) -> None:
+        general = general_path()  # (MOE_REPLAY_PATH=general: every MoE block wrapped, no fact acted on; paths.py)
+        if general != self.general:
+            self._installed, self.general = None, general  # (installed the other way: made afresh)
         wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
         kept = self._watch
         if kept is not None and kept[0].holds():  # (`watched` walks every class's namespace: this runs per context)
@@ -217,7 +222,7 @@ class RouterHub:
         # the facts about each router's class (a class patched since has none yet), and where to intercept
         facts = facts_for(self.warm.facts, watch)
         self.facts = [facts[type(s.router)] for s in self.sites]
-        self.router_only = [bool(f.topk_in_router) for f in self.facts]  # intercept in the router alone
+        self.router_only = [not general and bool(f.topk_in_router) for f in self.facts]  # intercept in the router
         wrapped = tuple(self.router_only)
         for site in self.sites:
             other = patched_by(site.router.__dict__.get("forward"))

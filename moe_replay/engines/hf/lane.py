@@ -53,6 +53,21 @@ def lane_ready(hub: Any, step: Step) -> bool:
     return True
 
 
+def lane_path(w: Any, step: Step, args: tuple, kwargs: dict) -> Any:
+    """LANE (paths.py): the replayed call of router `w` (wrapper.Wrapped) in `step`, run by `run_lane`, or routed live
+    in a dummy forward past the routes (`generate(synced_gpus=True)`).
+
+    Example:
+        >>> out = lane_path(w, hub.tracker.current, (hidden_states,), {})  # doctest: +SKIP
+    """
+    hub = w.hub
+    layer = hub.layer(w.i, step)
+    plan = hub.replayers[-1].plan(layer, step)
+    if plan is None:
+        return w.inner(*args, **kwargs)
+    return run_lane(w.own_copy, w.router, layer, plan, step.tokens, w.logits_index, args, kwargs)
+
+
 def run_lane(
     forward: types.FunctionType,
     router: nn.Module,

@@ -1,7 +1,6 @@
-"""The wrapper of a router's forward and of its MoE block's: the hot path of every router call (hub.py holds the
-state it reads). A recording alone of a router class known to return its top-k indices reads them from the router's
-output; a replay alone of a redirected router takes the lane (lane.py); any other call opens a `RouterCall` (call.py)
-in whichever of the two runs first and intercepts its top-k.
+"""The wrappers of a router's forward and of its MoE block's: the hot path of every router call. Each call asks the
+table in paths.py which path it takes and runs it: READ (`read_output`, here), LANE (`lane.lane_path`) or CALL
+(`call_path`, here: one `RouterCall` with its HOLD, AS_IS, REDIRECT or MODE path). hub.py holds the state they read.
 """
 
 from __future__ import annotations
@@ -9,126 +8,121 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from .call import InterceptMode, begin_call, end_call, num_scores, outputs
-from .lane import lane_ready, run_lane
+from .lane import lane_path
+from .paths import AS_IS, HOLD, LANE, MODE, READ, REDIRECT, before_call, in_call
 from .recompute import at_router
 from .redirect import run_redirected
+from .steps import Step
 from .stream import hold
 
 
+class Wrapped:
+    """What every path of one wrapped router (or MoE block) takes: the hub, the router's index and module, its name,
+    the forward wrapped, the redirected copy of the router's forward (redirect.py; None if it has none) and where its
+    logits are in its output (None: this wraps the MoE block)."""
+
+    __slots__ = ("hub", "i", "router", "name", "inner", "own_copy", "logits_index")
+
+    def __init__(self, hub: Any, i: int, inner: Callable[..., Any], logits_index: int | None) -> None:
+        self.hub, self.i, self.inner, self.logits_index = hub, i, inner, logits_index
+        self.router, self.name = hub.sites[i].router, hub.sites[i].name
+        self.own_copy = hub.redirects.forward(self.router, inner) if logits_index is not None else None
+
+
 def router_wrapper(hub: Any, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
-    """Open router call `i` in whichever of the router and its MoE block runs first, and intercept its calls.
+    """The forward that replaces router `i`'s (`logits_index`: where its logits are in its output) or, with
+    `logits_index=None`, its MoE block's, `inner`: each call runs the path paths.py's table picks.
 
     Both are wrapped until the router class is known: DBRX takes the top-k in the block, outside the router;
-    JetMoE's attention experts call the router from a method other than the block's forward. The first call
-    intercepts in the whole block; when every top-k it saw ran inside the router, later calls intercept in the
-    router alone (cheaper: the experts' ops then skip the Python-level TorchFunctionMode), and later contexts on
-    the model wrap the router alone. A router whose only top-k is a `torch.topk` in its own forward then runs a
-    redirected copy of that forward instead of the mode (redirect.py); so does a group-limited router whose top-k
-    calls over each token's scores are all `torch.topk` calls there.
+    JetMoE's attention experts call the router from a method other than the block's forward. Once every top-k of a
+    call ran inside the router, the next contexts wrap the router alone (hub.py).
 
     Example:
         >>> router.forward = router_wrapper(hub, 0, router.forward, site.logits_index)  # doctest: +SKIP
     """
-    is_router = logits_index is not None
-    router, name = hub.sites[i].router, hub.sites[i].name
-    graph_task = torch._C._current_graph_task_id  # -1 outside a backward (`in_backward`, inlined below)
-    own_copy = hub.redirects.forward(router, inner) if is_router else None  # its forward, top-k redirected
-    # (a block wrapper's router never reads its output alone: its entry stays None, but the block's is never read)
-    record_from = hub.record_from if is_router else [None] * len(hub.sites)
+    w = Wrapped(hub, i, inner, logits_index)
+    if logits_index is None:
+
+        def block_forward(*args: Any, **kwargs: Any) -> Any:
+            return call_path(w, args, kwargs)
+
+        return block_forward
+    router, redirectable = w.router, w.own_copy is not None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        index = record_from[i]
-        if index is not None:  # a recording alone, of a router class whose output holds its top-k's indices
-            j = index.get(router.training)
-            step = hub.tracker.current
-            if j is not None and step is not None and graph_task() == -1:
-                # read from the router's output: no call state, no interception (`layer`'s first run in a step,
-                # inlined: this runs per router call and step)
-                out = inner(*args, **kwargs)
-                found = out if type(out) is tuple else outputs(out)
-                if hub.occurrence[i] is step:
-                    layer = hub.layer(i, step)
-                else:
-                    layer, hub.occurrence[i] = name, step
-                indices = found[j]  # (`stream.hold`, inlined: B/A 0.9986 against the path calling a helper, 300 rounds)
-                try:
-                    version = indices._version
-                except RuntimeError:  # an inference tensor, whose edits are not counted: copied now
-                    version, indices = None, indices.clone()
-                hub.taken.append((layer, indices, version, found[logits_index].shape[-1]))
-                return out
-        call = hub.calls[i]
-        if call is None and is_router:
-            step = hub.tracker.current
-            if (  # (the hooks are set only while a context is open: no recorder means a replayer)
-                own_copy is not None
-                and not hub.recorders
-                and step is not None
-                and hub.router_only[i]
-                and hub.facts[i].redirect.get(router.training, 0) == 1
-                and graph_task() == -1
-                and (step is hub.lane_step or lane_ready(hub, step))
-            ):  # a replay alone, of a redirected router: lane.py (`layer`'s first run in a step, inlined)
-                if hub.occurrence[i] is step:
-                    layer = hub.layer(i, step)
-                else:
-                    layer, hub.occurrence[i] = name, step
-                plan = hub.replayers[-1].plan(layer, step)
-                if plan is None:  # a dummy forward past the routes: routed live
-                    return inner(*args, **kwargs)
-                tokens = step.batch * step.length  # (`step.tokens`, a property: a frame per call)
-                return run_lane(own_copy, router, layer, plan, tokens, logits_index, args, kwargs)
-        opened = call is None
-        if opened:
-            call = hub.calls[i] = begin_call(hub, i)
-        if is_router and not call.at_router:
-            call.at_router = True
-            at_router(hub, call, args, kwargs)
-        # where in the router's output its top-k's indices are, if the call is recorded from that alone (facts.py)
-        j = None
-        if call.plan is None and not call.recompute and hub.router_only[i] and hub.reads_output(i):
-            j = hub.facts[i].output_index.get(router.training)
-        fast = j is not None
-        intercept = not fast and not call.intercepting and (is_router or not hub.router_only[i])
-        redirected, ranked = None, 0
-        if intercept and is_router:
-            ranked = hub.facts[i].redirect.get(router.training, 0)
-            if ranked:
-                redirected = own_copy
-        if intercept and not call.selectors:  # made only for a call that intercepts (not a fast recording)
-            makers = hub.selectors[i]  # a redirected router's one top-k goes to the plain one, the last
-            one = redirected is not None and ranked == 1
-            call.selectors = [makers[-1](call)] if one else [make(call) for make in makers]
-        hub.in_router[i] += is_router
-        try:
-            if redirected is not None:  # only the router's own torch.topk is intercepted
-                call.intercepting = True
-                out = run_redirected(redirected, call.redirected_topk, router, args, kwargs)
-            elif intercept:
-                call.intercepting = True
-                with InterceptMode(call, lambda: hub.in_router[i] > 0):
-                    out = inner(*args, **kwargs)
-            else:
-                out = inner(*args, **kwargs)
-            if is_router:
-                call.num_experts = num_scores(out, logits_index)
-                call.router_out = out
-                if fast and call.record:  # held as the router returns them (an edit after it is caught)
-                    call.held = hold(outputs(out)[j])
-        finally:
-            hub.in_router[i] -= is_router
-            if intercept:
-                call.intercepting = False
-            if opened:
-                hub.calls[i] = None
-        if opened:
-            try:
-                end_call(hub, call)
-            finally:  # its selectors point back at the call: unlinked, both are freed now, not by the collector
-                call.selectors = []
-        return out
+        step = hub.tracker.current
+        path = before_call(hub, i, router, step, redirectable)
+        if path is READ:
+            return read_output(w, step, args, kwargs)
+        if path is LANE:
+            return lane_path(w, step, args, kwargs)
+        return call_path(w, args, kwargs)
 
     return forward
+
+
+def read_output(w: Wrapped, step: Step, args: tuple, kwargs: dict) -> Any:
+    """READ: run the router as it is and record the top-k indices its output holds (no call, no interception).
+
+    Example:
+        >>> out = read_output(w, hub.tracker.current, (hidden_states,), {})  # doctest: +SKIP
+    """
+    hub = w.hub
+    out = w.inner(*args, **kwargs)
+    found = out if type(out) is tuple else outputs(out)
+    indices = found[hub.record_from[w.i][w.router.training]]
+    hub.taken.append((hub.layer(w.i, step), *hold(indices), found[w.logits_index].shape[-1]))
+    return out
+
+
+def call_path(w: Wrapped, args: tuple, kwargs: dict) -> Any:
+    """CALL: run the router or its MoE block inside the router's `RouterCall` (opened here by whichever runs first,
+    closed by it), on the path `paths.in_call` picks: HOLD, AS_IS, REDIRECT or MODE.
+
+    Example:
+        >>> out = call_path(w, (hidden_states,), {})  # doctest: +SKIP
+    """
+    hub, i, router = w.hub, w.i, w.router
+    is_router = w.logits_index is not None
+    call = hub.calls[i]
+    opened = call is None
+    if opened:
+        call = hub.calls[i] = begin_call(hub, i)
+    if is_router and not call.at_router:
+        call.at_router = True
+        at_router(hub, call, args, kwargs)
+    path = in_call(hub, call, router, is_router, w.own_copy is not None)
+    intercept = path is REDIRECT or path is MODE
+    if intercept and not call.selectors:  # made only for a call that intercepts
+        makers = hub.selectors[i]  # a redirected router's one top-k goes to the plain one, the last
+        one = path is REDIRECT and hub.facts[i].redirect.get(router.training) == 1
+        call.selectors = [makers[-1](call)] if one else [make(call) for make in makers]
+    hub.in_router[i] += is_router
+    try:
+        if path is HOLD or path is AS_IS:
+            out = w.inner(*args, **kwargs)
+        elif path is REDIRECT:  # only the router's own torch.topk is intercepted
+            call.intercepting = True
+            out = run_redirected(w.own_copy, call.redirected_topk, router, args, kwargs)
+        else:
+            call.intercepting = True
+            with InterceptMode(call, lambda: hub.in_router[i] > 0):
+                out = w.inner(*args, **kwargs)
+        if is_router:
+            call.num_experts = num_scores(out, w.logits_index)
+            call.router_out = out
+            if path is HOLD and call.record:  # held as the router returns them (an edit after it is caught)
+                call.held = hold(outputs(out)[hub.facts[i].output_index[router.training]])
+    finally:
+        hub.in_router[i] -= is_router
+        if intercept:
+            call.intercepting = False
+        if opened:
+            hub.calls[i] = None
+    if opened:
+        try:
+            end_call(hub, call)
+        finally:  # its selectors point back at the call: unlinked, both are freed now, not by the collector
+            call.selectors = []
+    return out

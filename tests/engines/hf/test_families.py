@@ -96,7 +96,7 @@ def test_unsupported_families_raise_naming_the_class(family):
     [pytest.param(f, torch.float32, id=f"{f}-fp32") for f in FAMILIES]
     + [pytest.param(f, torch.bfloat16, id=f"{f}-bf16") for f in BF16 if f in FAMILIES],
 )
-def test_generate_routes_match_teacher_forcing_and_replay_is_exact(warm, family, dtype):
+def test_generate_routes_match_teacher_forcing_and_replay_is_exact(warm, path, family, dtype):
     model = build(family, dtype)
     warm(model)  # (what its contexts learn is kept for the paths compared at the end)
     ids, mask = batch(model)
@@ -139,21 +139,19 @@ def test_replay_forces_recorded_experts_after_update(family):
     assert used.routes.equal(routes)
     assert not live.equal(routes), "perturbing every weight changed no expert choice: the check would be vacuous"
     assert not torch.equal(live_logits, forced_logits)
-    # redirected top-k calls (redirect.py, learned in the first call) replay exactly as the TorchFunctionMode path
-    with keep_warm(model) as scope:
-        facts = list(scope.facts.values())
-    learned = [dict(f.redirect) for f in facts]
+    # the paths the table picks once the router class is learned (a keep_warm scope) replay exactly as the general path
     logits = {}
-    for path in ("redirect", "mode"):
-        for f, r in zip(facts, learned, strict=True):
-            f.redirect = r if path == "redirect" else dict.fromkeys(r, 0)
-        with replay_routes(model, routes):
-            logits[path] = model(ids, attention_mask=mask).logits
-    assert torch.equal(logits["redirect"], logits["mode"]) and torch.equal(logits["mode"], forced_logits)
+    for path in ("auto", "general"):
+        with keep_warm(model), pytest.MonkeyPatch.context() as env:
+            env.setenv("MOE_REPLAY_PATH", path)
+            for _ in range(2):  # (the first context learns the class's facts, the second acts on them)
+                with replay_routes(model, routes):
+                    logits[path] = model(ids, attention_mask=mask).logits
+    assert torch.equal(logits["auto"], logits["general"]) and torch.equal(logits["general"], forced_logits)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_router_gradients_and_checkpointing(family):
+def test_router_gradients_and_checkpointing(path, family):
     model = build(family)
     ids, mask = batch(model)
     routes, _ = record(model, ids, mask)

@@ -10,6 +10,9 @@ from helpers import left_padded, tiny_qwen3_moe
 from moe_replay import LayerInfo, ReplayError, Routes, UnsupportedModelError, keep_warm, record_routes, replay_routes
 from moe_replay.engines.hf import call as call_module
 from moe_replay.engines.hf import lane as lane_module
+from moe_replay.engines.hf import paths
+
+pytestmark = pytest.mark.usefixtures("auto_path")  # (tests of which path a call takes)
 
 
 @pytest.fixture
@@ -58,7 +61,7 @@ def test_a_replay_alone_runs_in_the_lane_and_replays_exactly(warm, calls):
 
 
 def lane_then_mode(model, routes, ids, mask, calls):  # noqa: ANN001, ANN201
-    """Replay with grad in the lane, then on the mode path (the router's redirect unlearned): both give the same logits
+    """Replay with grad in the lane, then on the general path (MOE_REPLAY_PATH=general): both give the same logits
     and the same nonzero router gradients, and the mode path opens a call per MoE layer. Returns the lane's logits and
     the calls it opened."""
     with replay_routes(model, routes):
@@ -67,11 +70,11 @@ def lane_then_mode(model, routes, ids, mask, calls):  # noqa: ANN001, ANN201
     lane_calls = list(calls)
     lane_grads = [g.weight.grad.clone() for g in gates(model)]
     model.zero_grad()
-    facts = facts_of(model)
-    facts.redirect[False] = 0  # the mode path, for comparison
-    with replay_routes(model, routes):
-        mode_out = model(ids, attention_mask=mask).logits
-        mode_out.square().mean().backward()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(paths.ENV, "general")  # the general path, for comparison
+        with replay_routes(model, routes):
+            mode_out = model(ids, attention_mask=mask).logits
+            mode_out.square().mean().backward()
     assert len(calls) - len(lane_calls) == 2  # its two MoE layers' calls ran on the general path
     assert torch.equal(lane_out, mode_out)
     assert all(
@@ -97,8 +100,6 @@ def test_an_all_recorded_selection_takes_the_lanes_short_path_with_the_same_outp
     lane_out, lane_calls = lane_then_mode(model, routes, ids, mask, calls)
     assert lane_calls == [] and general == []  # the lane, its short path (the mode path's forced_topk is not lane's)
     assert torch.equal(lane_out, live)
-    facts = facts_of(model)
-    facts.redirect[False] = 1
     padded, pad_mask = left_padded(2, 7, [0, 2], seed=3)
     with torch.no_grad(), record_routes(model) as rec:
         model(padded, attention_mask=pad_mask)

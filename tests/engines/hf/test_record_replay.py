@@ -215,7 +215,9 @@ def test_continuous_batching_is_refused_at_the_call(qwen):
     assert "generate_batch" not in qwen.__dict__  # the refusal is scoped to the context
 
 
-def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_again_after_it(qwen, monkeypatch, warm):
+def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_again_after_it(
+    qwen, monkeypatch, warm, auto_path
+):
     """A recording alone reads a known router class's output (no call opened, no interception). A replay opened inside
     it must turn that off for its forwards (else it would not be applied, with no error) and on again when it closes."""
     warm(qwen)  # (what the first context learns is kept for the next ones)

@@ -3,12 +3,16 @@ bit like the TorchFunctionMode path (forward and gradients), and that anything e
 
 from __future__ import annotations
 
+import pytest
 import torch
 from families import build_tiny_model
 from helpers import perturb
 
 from moe_replay import keep_warm, record_routes, replay_routes
+from moe_replay.engines.hf import paths
 from moe_replay.engines.hf.selectors import GroupTopK
+
+pytestmark = pytest.mark.usefixtures("auto_path")  # (tests of which path a call takes)
 
 
 def facts_of(model):  # noqa: ANN001, ANN202
@@ -23,15 +27,16 @@ def gates(model):  # noqa: ANN001, ANN202
     return [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
 
 
-def replayed(model, routes, ids, redirect: int | None):  # noqa: ANN001, ANN202
-    """Logits and router-weight gradients of a replayed forward + backward; `redirect` forces the path (None: as
-    learned; 0: the mode, else the number of ranked top-k calls redirected)."""
-    if redirect is not None:
-        facts_of(model).redirect[model.training] = redirect
+def replayed(model, routes, ids, general: bool = False):  # noqa: ANN001, ANN202
+    """Logits and router-weight gradients of a replayed forward + backward, on the paths the table picks (with the
+    router's facts as learned) or, with `general`, on the general path alone (MOE_REPLAY_PATH=general)."""
     model.zero_grad()
-    with replay_routes(model, routes):
-        logits = model(ids).logits
-        logits.square().mean().backward()
+    with pytest.MonkeyPatch.context() as env:
+        if general:
+            env.setenv(paths.ENV, "general")
+        with replay_routes(model, routes):
+            logits = model(ids).logits
+            logits.square().mean().backward()
     grads = [p.grad.clone() for n, p in model.named_parameters() if n.endswith("gate.weight")]
     return logits.detach(), grads
 
@@ -42,10 +47,10 @@ def test_a_plain_topk_router_is_redirected_and_replays_like_the_mode_path(warm):
     ids = torch.randint(5, 100, (2, 10))
     with torch.no_grad(), record_routes(model) as rec:
         live = model(ids).logits
-    first, _ = replayed(model, rec.routes, ids, None)  # learns, per training mode, that the top-k qualifies
+    first, _ = replayed(model, rec.routes, ids)  # learns, per training mode, that the top-k qualifies
     assert facts_of(model).redirect == {True: 1}
-    fast, fast_grads = replayed(model, rec.routes, ids, 1)
-    mode, mode_grads = replayed(model, rec.routes, ids, 0)
+    fast, fast_grads = replayed(model, rec.routes, ids)
+    mode, mode_grads = replayed(model, rec.routes, ids, general=True)
     assert torch.equal(fast, live) and torch.equal(fast, mode) and torch.equal(first, live)
     assert all(torch.equal(a, b) for a, b in zip(fast_grads, mode_grads, strict=True))
     assert all(g.abs().sum() > 0 for g in fast_grads)  # the router still gets gradients
@@ -62,14 +67,14 @@ def test_a_group_limited_router_is_redirected_and_steers_its_groups_like_the_mod
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
     perturb(model, scale=1.0)  # the live groups are no longer the recorded ones
-    first, _ = replayed(model, rec.routes, ids, None)  # learns that both ranked top-k calls qualify
+    first, _ = replayed(model, rec.routes, ids)  # learns that both ranked top-k calls qualify
     assert facts_of(model).redirect == {True: 2}
-    fast, fast_grads = replayed(model, rec.routes, ids, 2)
-    mode, mode_grads = replayed(model, rec.routes, ids, 0)
+    fast, fast_grads = replayed(model, rec.routes, ids)
+    mode, mode_grads = replayed(model, rec.routes, ids, general=True)
     assert torch.equal(fast, mode) and torch.equal(first, mode)
     assert all(torch.equal(a, b) for a, b in zip(fast_grads, mode_grads, strict=True))
     monkeypatch.setattr(GroupTopK, "claims", lambda *a: False)  # control: without steering the groups, it differs
-    unsteered, _ = replayed(model, rec.routes, ids, 2)
+    unsteered, _ = replayed(model, rec.routes, ids)
     assert not torch.equal(unsteered, mode)
 
 
@@ -138,15 +143,15 @@ def test_the_redirected_forward_runs_what_its_module_holds_when_a_context_opens(
     ids = torch.randint(5, 100, (2, 10))
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
-    before, _ = replayed(model, rec.routes, ids, None)  # makes the copy, and learns that its top-k qualifies
+    before, _ = replayed(model, rec.routes, ids)  # makes the copy, and learns that its top-k qualifies
     assert facts_of(model).redirect == {False: 1}
     scope = type(gates(model)[0]).forward.__globals__
     F = scope["F"]
     doubled = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
     doubled.linear = lambda x, w, b=None: 2 * F.linear(x, w, b)
     monkeypatch.setitem(scope, "F", doubled)
-    fast, _ = replayed(model, rec.routes, ids, 1)
-    mode, _ = replayed(model, rec.routes, ids, 0)
+    fast, _ = replayed(model, rec.routes, ids)
+    mode, _ = replayed(model, rec.routes, ids, general=True)
     assert torch.equal(fast, mode) and not torch.equal(fast, before)
 
 
@@ -161,18 +166,18 @@ def test_the_redirected_forward_runs_the_torch_attributes_torch_holds_when_a_con
     ids = torch.randint(5, 100, (2, 10))
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
-    before, _ = replayed(model, rec.routes, ids, None)
+    before, _ = replayed(model, rec.routes, ids)
     assert facts_of(model).redirect == {False: 1}
     with keep_warm(model) as scope:
         copy = next(iter(scope.warm.layout.kept["hub"].redirects._forwards.values()))
     kept = copy.refreshed
-    again, _ = replayed(model, rec.routes, ids, None)
+    again, _ = replayed(model, rec.routes, ids)
     assert torch.equal(again, before) and copy.refreshed is kept  # nothing replaced: nothing copied
     F = torch.nn.functional
     functional = types.SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
     functional.softmax = lambda x, *a, **k: F.softmax(2 * x, *a, **k)  # what the Qwen3 router reads as torch.nn...
     monkeypatch.setattr(torch, "nn", types.SimpleNamespace(**{**vars(torch.nn), "functional": functional}))
-    fast, _ = replayed(model, rec.routes, ids, 1)
-    mode, _ = replayed(model, rec.routes, ids, 0)
+    fast, _ = replayed(model, rec.routes, ids)
+    mode, _ = replayed(model, rec.routes, ids, general=True)
     assert copy.refreshed is not kept
     assert torch.equal(fast, mode) and not torch.equal(fast, before)

@@ -107,7 +107,7 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_decode_step_adds_no_tensor_op_and_a_generate_records_what_its_steps_routed():
+def test_a_decode_step_adds_no_tensor_op_and_a_generate_records_what_its_steps_routed(auto_path):
     """Recording under `generate` issues the same tensor ops for 3 new tokens as for 20 (decode steps are copied
     `HOLD` at a time), and what it records is what a step-by-step copy records."""
     model = tiny_qwen3_moe()
