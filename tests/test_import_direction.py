@@ -60,3 +60,28 @@ def test_the_check_sees_relative_imports() -> None:
     assert "moe_replay.engines" in names and "moe_replay.routes" in names
     names = {n for _, n in imported_modules(PACKAGE / "engines" / "__init__.py")}
     assert {"moe_replay.engines.hf", "moe_replay.engines.megatron", "moe_replay.routes"} <= names
+
+
+def test_no_import_cycles_in_the_engines() -> None:
+    """No module of engines/ reaches itself through imports (including imports inside functions and for type
+    checking only): each engine's files read in one order."""
+    modules = {
+        "moe_replay." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in sorted((PACKAGE / "engines").rglob("*.py"))
+    }
+    graph = {m: {n for _, n in imported_modules(p) if n in modules and n != m} for m, p in modules.items()}
+
+    def reaches(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    return [*path, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+        return None
+
+    cycles = {" -> ".join(c) for m in graph if not m.endswith(("hf", "megatron", "engines")) and (c := reaches(m))}
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(cycles))

@@ -13,35 +13,10 @@ from torch.overrides import TorchFunctionMode
 from ...errors import ReplayError
 from ..autograd import in_backward
 from .discover import RouterSite
+from .plan import Plan
 from .redirect import caller_code, redirectable
-from .selectors import TOPK_FUNCS, Selector, TopK, dispatch, topk_args
+from .selectors import TOPK_FUNCS, Selector, dispatch, over_each_token, topk_args
 from .steps import Step
-
-
-@dataclass(slots=True)
-class Plan:
-    """The routes one router call must use: `indices` [N, K] int64, `mask` [B, t] bool (False routes live).
-
-    `source` is the replayer that made it, for layer `layer` of its routes. With `observe`, `on_live` is called once
-    per forward call (not its recompute) with the experts the router would have picked live and those it was given,
-    both [N, K] (`replay_routes(..., track_live=True)`). `groups_used(G)` is the most of G expert groups any
-    recorded token of this layer uses (checked by group-limited routers).
-    """
-
-    indices: torch.Tensor
-    mask: torch.Tensor
-    num_experts: int
-    top_k: int
-    all_recorded: bool
-    source: Any = None
-    layer: int = 0
-    observe: bool = False
-
-    def on_live(self, live: torch.Tensor, used: torch.Tensor) -> None:
-        self.source.tally(self.layer, self.mask, live, used)
-
-    def groups_used(self, G: int) -> int:
-        return 0 if self.source is None else self.source.groups_used(self.layer, G)
 
 
 @dataclass(slots=True)
@@ -172,7 +147,7 @@ class InterceptMode(TorchFunctionMode):
         call, kwargs = self.call, kwargs or {}
         if func in TOPK_FUNCS and call.topk_sites is not None:  # only until redirect.py's fact is learned
             x, _, last = topk_args(args, kwargs)
-            per_token = last and call.step is not None and x.numel() == call.step.tokens * x.shape[-1]
+            per_token = last and call.step is not None and over_each_token(x, call.step.tokens)
             call.topk_sites.append((func, caller_code(), per_token))
         return dispatch(call, func, args, kwargs, self.in_router)
 
@@ -215,9 +190,9 @@ def end_call(hub: Any, call: RouterCall) -> None:
         facts.topk_in_router = not call.outside_router
         hub.router_only[i] = facts.topk_in_router and not hub.general
     if call.topk_sites and hub.router_only[i] and router.training not in facts.redirect:
-        # redirected top-k calls go to the top-k selectors, so the last must be the plain one
-        plain = bool(call.selectors) and type(call.selectors[-1]) is TopK
-        facts.redirect[router.training] = redirectable(router, call.topk_sites) if plain else 0
+        # a redirected forward hands its torch.topk calls to the selectors: each must be one it may carry
+        carried = bool(call.selectors) and all(s.carried_by_redirect for s in call.selectors)
+        facts.redirect[router.training] = redirectable(router, call.topk_sites) if carried else 0
     call.check_replayed()
     if not call.record:
         return

@@ -34,7 +34,7 @@ from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
 from .paths import general_path
 from .recompute import RecomputeQueue
 from .redirect import Redirects
-from .selectors import selectors_for
+from .rules import selectors_for
 from .steps import Step, StepTracker, step_wrapper
 from .stream import Taken
 from .warm import ATTR, Warm, warm_state

@@ -16,24 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .call import Plan, check_experts, not_applied, num_scores
+from .call import check_experts, not_applied, num_scores
+from .plan import Plan
 from .recompute import will_be_recomputed
+from .redirect import run_redirected
 from .selectors import forced_topk, replaces, topk_args, topk_calls
 from .steps import Step
-
-TopK = torch.return_types.topk
-
-
-def other_topk(plan: Plan, shape: tuple[int, int], state: list, args: tuple, kwargs: dict) -> Any:
-    """A top-k call of a lane's router that is not the common case (`run_lane`): forced by `forced_topk` if it is the
-    selection the plan replaces, else run as it is (noted in `state` for the error of a replay not applied)."""
-    x, k, last = topk_args(args, kwargs)
-    if last and replaces(plan, shape[0], x, k):
-        state[0] += 1
-        return forced_topk(torch.topk, args, kwargs, x, plan)
-    if last:  # (last dim, k) of top-k calls over the last dim, not replaced
-        state[1] = [*(state[1] or ()), (x.shape[-1], k)]
-    return torch.topk(*args, **kwargs)
 
 
 def lane_ready(hub: Any, step: Step) -> bool:
@@ -84,33 +72,20 @@ def run_lane(
     Example:
         >>> out = run_lane(fwd, router, "model.layers.0.mlp.gate", plan, 32, 0, (h,), {})  # doctest: +SKIP
     """
-    shape = (tokens, plan.num_experts)  # the input [N, E] of a selecting top-k, as most routers call it
-    idx = plan.indices
-    state = [0, None]  # top-k calls the plan decided; (last dim, k) of the others over the last dim (`other_topk`)
+    state = [0, None]  # top-k calls the plan decided; (last dim, k) of the others over the last dim
 
     def topk(*args: Any, **kwargs: Any) -> Any:
         """`torch.topk(*args, **kwargs)`, the plan's experts if it is the selection the plan replaces."""
-        x = args[0]
-        if x.shape == shape and plan.all_recorded:  # the common case, checked with the fewest calls
-            k = args[1] if len(args) > 1 else kwargs["k"]
-            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-            if type(k) is int and k == plan.top_k and dim in (-1, 1) and idx.device == x.device:
-                state[0] += 1
-                return TopK((x.gather(-1, idx), idx))  # = forced_topk's for it
-        return other_topk(plan, shape, state, args, kwargs)
+        x, k, last = topk_args(args, kwargs)
+        if last and replaces(plan, tokens, x, k):
+            state[0] += 1
+            return forced_topk(torch.topk, args, kwargs, x, plan)
+        if last:
+            state[1] = [*(state[1] or ()), (x.shape[-1], k)]
+        return torch.topk(*args, **kwargs)
 
-    # (`run_redirected(forward, topk, router, args, kwargs)` and a handler object, inlined: a call costs a frame, and
-    # the lane runs once per router call)
-    proxy = forward.torch_proxy
-    previous, proxy.topk = proxy.topk, topk
-    try:
-        out = forward(router, *args, **kwargs)
-    finally:
-        proxy.topk = previous
-    # (`check_experts(layer, num_scores(out, logits_index), plan)`, inlined for a tuple output: a call costs a frame)
-    E = out[logits_index].shape[-1] if type(out) is tuple else num_scores(out, logits_index)
-    if E != plan.num_experts:
-        check_experts(layer, E, plan)
+    out = run_redirected(forward, topk, router, args, kwargs)
+    check_experts(layer, num_scores(out, logits_index), plan)
     if not state[0]:
         raise not_applied(layer, router, plan, tokens, topk_calls(state[1] or []))
     return out

@@ -94,12 +94,8 @@ class Patches:
     def undo(self) -> None:
         """Remove every attribute, last first (idempotent)."""
         entries, self._entries = self._entries, []
-        for e in reversed(entries):  # (`_Entry.remove`, inlined: this runs per context)
-            own = e.module.__dict__
-            if e.had_own:
-                own[e.attr] = e.previous
-            elif e.attr in own:
-                del own[e.attr]
+        for e in reversed(entries):
+            e.remove()
         if entries:
             self._undone, self._undone_copyable = entries, self._copyable
         self._copyable = set()

@@ -33,7 +33,8 @@ from ..autograd import (
 )
 from ..fingerprint import FINGERPRINT, matches
 from ..fingerprint import fingerprint as tensor_fingerprint
-from .call import Plan, RouterCall
+from .call import RouterCall
+from .plan import Plan
 from .steps import Step
 
 # recomputed calls kept per router for a second recompute (retain_graph, nested checkpoints), those whose checkpoints

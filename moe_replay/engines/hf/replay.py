@@ -11,8 +11,8 @@ from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import LayerInfo, Routes
 from ..autograd import version
-from .call import Plan
 from .hub import RouterHub
+from .plan import Plan
 from .steps import Step
 
 SMALL_FORWARD = 1 << 20  # up to this many (token, layer, expert) entries, a forward's indices are converted at once
@@ -168,10 +168,7 @@ class RouteReplayer:
                 "the routes' indices or mask were replaced by another tensor while a replay of them was open: the "
                 "replay holds what it made from the ones it was given; edit them in place, or open a new context"
             )
-        try:  # the routes as they are now (in-place edits); `autograd.version` of each, inlined
-            key = (step.start, end, r.indices._version, r.mask._version)
-        except RuntimeError:  # an inference tensor: its edits are not counted
-            key = (step.start, end, version(r.indices), version(r.mask))
+        key = (step.start, end, version(r.indices), version(r.mask))  # the routes as they are now (in-place edits)
         last = self._last
         if last is None or last[0] != key or None in key or not last[1].intact():  # (None: inference tensors)
             last = self._last = (key, self._convert(step.start, end))

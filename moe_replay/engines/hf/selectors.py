@@ -3,8 +3,8 @@
 Inside a router call the hub sees every torch function of the router (and, until it learns better, of its MoE block)
 and hands the ones a selector intercepts to it. A selector records what the call selected and, under replay, returns
 the recorded experts instead, with values gathered from its own (live) input, so the family's weight rule runs on the
-live router scores and the router keeps its gradient. A new routing rule is one new selector and one line in
-`selectors_for`.
+live router scores and the router keeps its gradient. A new routing rule is one new selector (its contract is
+`Selector`'s class attributes) and one line in rules.py.
 
 - `TopK`: the top-k over the E scores of each token (most families);
 - `GroupTopK`: a group-limited top-k before it (DeepSeek-style `n_group` / `topk_group`), steered to keep the groups
@@ -15,24 +15,46 @@ live router scores and the router keeps its gradient. A new routing rule is one 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from ...errors import ReplayError
+from .discover import RouterSite
+from .plan import Plan
+from .steps import Step
 from .stream import hold
-
-if TYPE_CHECKING:
-    from .call import Plan, RouterCall
 
 TOPK_FUNCS = frozenset({torch.topk, torch.Tensor.topk})
 
 
+class RouterCall(Protocol):
+    """What a selector reads and sets of its router call (call.RouterCall)."""
+
+    site: RouterSite
+    layer: str
+    step: Step | None  # None: a recompute that routes live
+    plan: Plan | None
+    record: bool
+    recompute: bool
+    num_experts: int | None
+    selectors: list[Selector]
+
+
 class Selector:
-    """One way of picking experts, for one router call. Subclasses set `funcs` and override what they need."""
+    """One way of picking experts, for one router call. A subclass declares its contract in three class attributes
+    (checked by `rules.check_rules`) and overrides what it needs:
+
+    - `funcs`: the torch functions it may claim (`claims` is asked only for those);
+    - `catch_all`: it claims every call of its `funcs`, so it is offered after the selectors that claim some; a
+      router whose one top-k over each token's scores is redirected runs it alone;
+    - `carried_by_redirect`: a redirected router forward (redirect.py), which hands over only the router's own
+      `torch.topk` calls, may carry it; a router with any selector that may not is never redirected.
+    """
 
     funcs: frozenset = frozenset()
+    catch_all: bool = False
+    carried_by_redirect: bool = False
 
     def __init__(self, call: RouterCall) -> None:
         self.call = call
@@ -65,6 +87,23 @@ class Selector:
         return ""
 
 
+def over_each_token(x: torch.Tensor, tokens: int) -> bool:
+    """Whether `x` [..., S] holds one row of S scores per token of a forward of `tokens` tokens: the input of every
+    selection a selector acts on (a token's E expert scores, its G group scores).
+
+    Example:
+        >>> over_each_token(torch.zeros(2, 3, 8), 6)
+        True
+    """
+    return x.numel() == tokens * x.shape[-1]
+
+
+def replaces(plan: Plan, tokens: int, x: torch.Tensor, k: int) -> bool:
+    """Whether a top-k (over the last dim) of `x` is the selection `plan` replaces: k = K of the plan's E scores of
+    each of the forward's `tokens` tokens (the one rule of which top-k a replay forces)."""
+    return k == plan.top_k and x.shape[-1] == plan.num_experts and over_each_token(x, tokens)
+
+
 def topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, bool]:
     """(input, k, whether the top-k runs over the last dim) of a `topk` call."""
     x: torch.Tensor = args[0]
@@ -74,14 +113,16 @@ def topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, bool]:
 
 
 class TopK(Selector):
-    """The top-k over the E router scores of each token: input [..., E] with N·E elements, N = tokens of the forward."""
+    """The top-k over the E router scores of each token (`replaces`): every other top-k it runs as it is."""
 
     funcs = TOPK_FUNCS
+    catch_all = True
+    carried_by_redirect = True
 
     def __init__(self, call: RouterCall) -> None:
-        self.call = call  # (Selector.__init__, inlined: one call fewer per router call)
-        # (last dim, k, numel, indices, `hold(indices)` as they were returned if the call is recorded)
-        self.seen: list[tuple[int, int, int, torch.Tensor, tuple[torch.Tensor, int | None] | None]] = []
+        super().__init__(call)
+        # (last dim, k, over each token's scores, indices, `hold(indices)` as returned if the call is recorded)
+        self.seen: list[tuple[int, int, bool, torch.Tensor, tuple[torch.Tensor, int | None] | None]] = []
         self.replaced = 0
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -94,7 +135,8 @@ class TopK(Selector):
             out = func(*args, **kwargs)
         if last and (call.record or plan is not None):
             idx = out[1]  # (held now: an edit after the top-k returned, even inside the router, is caught)
-            self.seen.append((x.shape[-1], k, x.numel(), idx, hold(idx) if call.record else None))
+            per_token = call.step is not None and over_each_token(x, call.step.tokens)
+            self.seen.append((x.shape[-1], k, per_token, idx, hold(idx) if call.record else None))
         return out
 
     def _observes(self) -> bool:
@@ -108,8 +150,8 @@ class TopK(Selector):
         return bool(self.seen)
 
     def picked(self) -> tuple[torch.Tensor, torch.Tensor, int | None, bool] | None:
-        E, n = self.call.num_experts, self.call.step.tokens
-        found = [s for s in self.seen if s[0] == E and s[2] == E * n]
+        E = self.call.num_experts
+        found = [s for s in self.seen if s[0] == E and s[2]]
         if not found or found[-1][4] is None:
             return None
         held, version = found[-1][4]
@@ -127,6 +169,7 @@ class GroupTopK(Selector):
     the recorded experts, and fills the rest live."""
 
     funcs = TOPK_FUNCS
+    carried_by_redirect = True
 
     def __init__(self, call: RouterCall) -> None:
         super().__init__(call)
@@ -137,14 +180,8 @@ class GroupTopK(Selector):
         if plan is None:
             return False
         x, k, last = topk_args(args, kwargs)
-        G = x.shape[-1]
-        return (
-            last
-            and G < plan.num_experts
-            and plan.num_experts % G == 0
-            and x.numel() == self.call.step.tokens * G
-            and k <= G
-        )
+        G, tokens = x.shape[-1], self.call.step.tokens
+        return last and G < plan.num_experts and plan.num_experts % G == 0 and k <= G and over_each_token(x, tokens)
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         x, k, _ = topk_args(args, kwargs)
@@ -188,13 +225,6 @@ def topk_calls(seen: list[tuple[int, int]]) -> str:
     return f"the router's top-k calls were (E, k) = {seen}"
 
 
-def replaces(plan: Plan, tokens: int, x: torch.Tensor, k: int) -> bool:
-    """Whether a top-k (over the last dim) of `x` is the selection `plan` replaces: k of the plan's E scores for each
-    of the forward's `tokens` tokens."""
-    E = plan.num_experts
-    return x.shape[-1] == E and k == plan.top_k and x.numel() == tokens * E
-
-
 def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan, observe: bool = False) -> Any:
     """`topk(x)` that returns the plan's experts with values gathered from `x` (live where the plan's mask is False);
     with `observe`, hands the live and the forced picks to `plan.on_live`."""
@@ -213,17 +243,3 @@ def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Pla
                 live = func(*args, **kwargs)[1]
         plan.on_live(live.reshape(-1, plan.top_k), idx.reshape(-1, plan.top_k))
     return torch.return_types.topk((x.gather(-1, idx), idx))
-
-
-def selectors_for(router: nn.Module) -> tuple[type[Selector], ...]:
-    """The selectors of a router, in the order they are offered each intercepted call.
-
-    Example:
-        >>> selectors_for(model.model.layers[0].mlp.gate)  # doctest: +SKIP
-        (GroupTopK, TopK)
-    """
-    from .sparsemixer import ROUTER_CLASSES, SparsemixerPicks
-
-    if type(router).__name__ in ROUTER_CLASSES:
-        return (SparsemixerPicks,)
-    return (GroupTopK, TopK)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...errors import UnsupportedModelError
-from .selectors import Selector
+from .selectors import Selector, over_each_token
 from .stream import hold
 
 ROUTER_CLASSES = frozenset({"PhimoeTopKRouter"})
@@ -98,7 +98,7 @@ class SparsemixerPicks(Selector):
         if call.step is None:  # a recompute that routes live
             return func(*args, **kwargs)
         n = call.step.tokens
-        if dim not in (-1, x.dim() - 1) or x.numel() != n * x.shape[-1]:
+        if dim not in (-1, x.dim() - 1) or not over_each_token(x, n):
             return func(*args, **kwargs)
         slot, is_pick = slot_of(self.counts, keepdim, call.site.router.training)
         plan = call.plan

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ...errors import ForeignThreadError, UnsupportedGenerationError
-from ..autograd import inside_reentrant_checkpoint
+from ..autograd import in_backward, inside_reentrant_checkpoint
 
 HAND_OVER = 32  # decode steps of a generate held before the recorders take them (`step_wrapper`)
 GENERATE_START = object()  # `StepTracker.cache` as a generate begins, before its first step
@@ -266,13 +266,12 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         >>> model.forward = step_wrapper(hub, model.forward)  # doctest: +SKIP
     """
 
-    graph_task = torch._C._current_graph_task_id  # -1 outside a backward (`in_backward`, inlined below)
     thread = threading.get_ident
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         tracker = hub.tracker
-        if tracker.depth or graph_task() != -1:  # an inner model called by the outer one, or a recompute
-            if tracker.depth and thread() != tracker.thread and graph_task() == -1:  # (autograd's threads recompute)
+        if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
+            if tracker.depth and thread() != tracker.thread and not in_backward():  # (autograd's threads recompute)
                 raise ForeignThreadError(
                     f"{type(hub.model).__name__} ran a forward in another thread while a forward of it, with "
                     "moe-replay contexts open, was running: its router calls would be placed in that forward; run the "

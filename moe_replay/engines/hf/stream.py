@@ -99,10 +99,7 @@ class Stream:
         dtype = index_dtype(max(experts[name] for name in names))
         stacked = stacked if stacked.dtype == dtype else stacked.to(dtype)
         versions = [v for _, vs in held for v in vs]
-        try:  # (`autograd.version` of each, inlined)
-            now = [p._version for p in pieces]
-        except RuntimeError:  # an inference tensor among them (its version is None)
-            now = [version(p) for p in pieces]
+        now = [version(p) for p in pieces]  # (None for an inference tensor)
         changed = None
         if now != versions:  # (a copy made at the router call has no version to compare: None)
             changed = next((k for k, (a, b) in enumerate(zip(now, versions, strict=True)) if b not in (None, a)), None)
@@ -189,7 +186,5 @@ def hold(indices: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         >>> hold(torch.tensor([[1, 3]]))[1]
         0
     """
-    try:  # (`autograd.version`, inlined)
-        return indices, indices._version
-    except RuntimeError:  # "Inference tensors do not track version counter."
-        return indices.clone(), None
+    counter = version(indices)
+    return (indices, counter) if counter is not None else (indices.clone(), None)

@@ -95,9 +95,9 @@ def call_path(w: Wrapped, args: tuple, kwargs: dict) -> Any:
     path = in_call(hub, call, router, is_router, w.own_copy is not None)
     intercept = path is REDIRECT or path is MODE
     if intercept and not call.selectors:  # made only for a call that intercepts
-        makers = hub.selectors[i]  # a redirected router's one top-k goes to the plain one, the last
+        # (a router whose one top-k over each token's scores is redirected needs its catch-all selector alone)
         one = path is REDIRECT and hub.facts[i].redirect.get(router.training) == 1
-        call.selectors = [makers[-1](call)] if one else [make(call) for make in makers]
+        call.selectors = [make(call) for make in hub.selectors[i] if make.catch_all or not one]
     hub.in_router[i] += is_router
     try:
         if path is HOLD or path is AS_IS:

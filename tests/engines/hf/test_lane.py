@@ -9,7 +9,6 @@ from helpers import left_padded, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, UnsupportedModelError, keep_warm, record_routes, replay_routes
 from moe_replay.engines.hf import call as call_module
-from moe_replay.engines.hf import lane as lane_module
 from moe_replay.engines.hf import paths
 
 pytestmark = pytest.mark.usefixtures("auto_path")  # (tests of which path a call takes)
@@ -83,29 +82,19 @@ def lane_then_mode(model, routes, ids, mask, calls):  # noqa: ANN001, ANN201
     return lane_out.detach(), lane_calls
 
 
-def test_an_all_recorded_selection_takes_the_lanes_short_path_with_the_same_outputs_and_gradients(
-    warm, calls, monkeypatch
-):
-    """Routes recorded at every position: the lane forces the top-k without `forced_topk` (its short path), with the
-    logits and router gradients of the general path; padded routes still go through `forced_topk`."""
-    general = []
-    real = lane_module.forced_topk
-    monkeypatch.setattr(lane_module, "forced_topk", lambda *a, **k: general.append(1) or real(*a, **k))
+def test_all_recorded_and_padded_selections_replay_in_the_lane_like_the_general_path(warm, calls):
+    """Routes recorded at every position, then left-padded routes (live at the padding): both replay in the lane,
+    with the logits and router gradients of the general path."""
     model = tiny_qwen3_moe()
     warm(model)
-    ids, mask = left_padded(2, 7, [0, 0], seed=3)
-    live, routes = learned(model, ids, mask)
-    assert bool(routes.mask.all())
-    calls.clear()
-    lane_out, lane_calls = lane_then_mode(model, routes, ids, mask, calls)
-    assert lane_calls == [] and general == []  # the lane, its short path (the mode path's forced_topk is not lane's)
-    assert torch.equal(lane_out, live)
-    padded, pad_mask = left_padded(2, 7, [0, 2], seed=3)
-    with torch.no_grad(), record_routes(model) as rec:
-        model(padded, attention_mask=pad_mask)
-    with torch.no_grad(), replay_routes(model, rec.routes):
-        model(padded, attention_mask=pad_mask)
-    assert len(general) == 2  # padding: each MoE layer's call through forced_topk
+    for pads in ([0, 0], [0, 2]):
+        ids, mask = left_padded(2, 7, pads, seed=3)
+        live, routes = learned(model, ids, mask)
+        assert bool(routes.mask.all()) == (pads == [0, 0])
+        calls.clear()
+        model.zero_grad()
+        lane_out, lane_calls = lane_then_mode(model, routes, ids, mask, calls)
+        assert lane_calls == [] and torch.equal(lane_out, live)
 
 
 def gates(model):  # noqa: ANN001, ANN202

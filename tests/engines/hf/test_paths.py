@@ -113,3 +113,16 @@ def test_an_unknown_path_is_refused_naming_it_and_the_choices_and_nothing_is_lef
         with record_routes(model):
             pass
     assert {name: dict(vars(m)) for name, m in model.named_modules()} == before
+
+
+def test_a_selector_order_that_breaks_the_contract_is_refused_naming_it():
+    """The first selector that claims a call runs it: one that claims every call of its functions (TopK) must be
+    offered last, or the group-limited rule after it would never run."""
+    from moe_replay.engines.hf.rules import check_rules
+    from moe_replay.engines.hf.selectors import GroupTopK, TopK
+
+    assert check_rules((GroupTopK, TopK)) == (GroupTopK, TopK)
+    with pytest.raises(TypeError, match="TopK claims every call of its functions .* offered before GroupTopK"):
+        check_rules((TopK, GroupTopK))
+    with pytest.raises(TypeError, match="is not a Selector subclass"):
+        check_rules((GroupTopK, torch.topk))
