@@ -129,7 +129,7 @@ class Routes:
         indices = torch.cat([_pad_t(p.indices, T) for p in parts])
         mask = torch.cat([_pad_t(p.mask, T) for p in parts])
         version = torch.cat([_pad_t(p.version, T) for p in parts]) if all(versioned) else None
-        return cls._trusted(indices, mask, first.layers, version)
+        return Routes._trusted(indices, mask, first.layers, version)  # (a join of placed routes has no single place)
 
     @classmethod
     def from_rows(

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .routes import IndexLike, LayerInfo, Routes
+from .routes import IndexLike, Routes
 
 
 class PlacedRoutes(Routes):
@@ -51,16 +51,6 @@ class PlacedRoutes(Routes):
     def place(self) -> dict[str, Any]:
         """The place's fields by name."""
         return {key: getattr(self, key) for key in self.PLACE}
-
-    @classmethod
-    def _trusted(
-        cls,
-        indices: torch.Tensor,
-        mask: torch.Tensor,
-        layers: tuple[LayerInfo, ...],
-        version: torch.Tensor | None = None,
-    ) -> Routes:
-        return Routes._trusted(indices, mask, layers, version)  # (a join or a pad of placed routes has no single place)
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu", *, validate: bool = True) -> Routes:

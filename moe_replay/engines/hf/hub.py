@@ -32,7 +32,7 @@ from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
 from .paths import general_path
-from .recompute import RecomputeQueue
+from .recompute import recompute_queue
 from .redirect import Redirects
 from .rules import selectors_for
 from .steps import Step, StepTracker, step_wrapper
@@ -58,7 +58,7 @@ class RouterHub:
         self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
         self._watch: tuple[Unchanged, dict] | None = None  # what `watched` read and returned at the last install
         # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
-        self.pending = [RecomputeQueue(s.name) for s in self.sites]
+        self.pending = [recompute_queue(s.name) for s in self.sites]
         self.queued = False  # whether any call was queued in `pending` since it was made (recompute.py)
         # what was learned about each router's class, and which routers intercept in the router alone: looked up by
         # `_install` whenever the patches are not set again exactly as they were
@@ -81,7 +81,7 @@ class RouterHub:
         self.replayers: list[Replayer] = []
         self._record_from_outputs(False)
         if self.queued:  # (each context drops its calls as it closes: made afresh all the same)
-            self.pending, self.queued = [RecomputeQueue(s.name) for s in self.sites], False
+            self.pending, self.queued = [recompute_queue(s.name) for s in self.sites], False
         self.occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
         self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`layer`)
         self.calls: list[RouterCall | None] = [None] * len(self.sites)
@@ -199,7 +199,7 @@ class RouterHub:
         n = 0
         for queue in self.pending if self.queued else ():
             if queue.items:
-                n += queue.count(handler)
+                n += queue.waiting(handler)
         return n
 
     def _install(self) -> None:

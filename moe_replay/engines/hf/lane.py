@@ -10,14 +10,11 @@ The checks are the general path's: the routes' E against the router's, and a rep
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
-from torch import nn
 
 from .call import check_experts, not_applied, num_scores
-from .plan import Plan
 from .recompute import will_be_recomputed
 from .redirect import run_redirected
 from .selectors import forced_topk, replaces, topk_args, topk_calls
@@ -42,8 +39,9 @@ def lane_ready(hub: Any, step: Step) -> bool:
 
 
 def lane_path(w: Any, step: Step, args: tuple, kwargs: dict) -> Any:
-    """LANE (paths.py): the replayed call of router `w` (wrapper.Wrapped) in `step`, run by `run_lane`, or routed live
-    in a dummy forward past the routes (`generate(synced_gpus=True)`).
+    """LANE (paths.py): the replayed call of router `w` (wrapper.Wrapped) in `step`. Runs the router's redirected
+    forward with its selecting top-k forced to the call's plan and returns its output; raises `ReplayError` unless the
+    plan decided the call's experts. In a dummy forward past the routes (`generate(synced_gpus=True)`), routes live.
 
     Example:
         >>> out = lane_path(w, hub.tracker.current, (hidden_states,), {})  # doctest: +SKIP
@@ -53,25 +51,7 @@ def lane_path(w: Any, step: Step, args: tuple, kwargs: dict) -> Any:
     plan = hub.replayers[-1].plan(layer, step)
     if plan is None:
         return w.inner(*args, **kwargs)
-    return run_lane(w.own_copy, w.router, layer, plan, step.tokens, w.logits_index, args, kwargs)
-
-
-def run_lane(
-    forward: types.FunctionType,
-    router: nn.Module,
-    layer: str,
-    plan: Plan,
-    tokens: int,
-    logits_index: int,
-    args: tuple,
-    kwargs: dict,
-) -> Any:
-    """Run `router`'s redirected `forward` with its selecting top-k forced to `plan` (router call `layer` of a forward
-    of `tokens` tokens) and return its output; raise `ReplayError` unless the plan decided the call's experts.
-
-    Example:
-        >>> out = run_lane(fwd, router, "model.layers.0.mlp.gate", plan, 32, 0, (h,), {})  # doctest: +SKIP
-    """
+    tokens = step.tokens
     state = [0, None]  # top-k calls the plan decided; (last dim, k) of the others over the last dim
 
     def topk(*args: Any, **kwargs: Any) -> Any:
@@ -84,8 +64,8 @@ def run_lane(
             state[1] = [*(state[1] or ()), (x.shape[-1], k)]
         return torch.topk(*args, **kwargs)
 
-    out = run_redirected(forward, topk, router, args, kwargs)
-    check_experts(layer, num_scores(out, logits_index), plan)
+    out = run_redirected(w.own_copy, topk, w.router, args, kwargs)
+    check_experts(layer, num_scores(out, w.logits_index), plan)
     if not state[0]:
-        raise not_applied(layer, router, plan, tokens, topk_calls(state[1] or []))
+        raise not_applied(layer, w.router, plan, tokens, topk_calls(state[1] or []))
     return out

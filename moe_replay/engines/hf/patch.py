@@ -33,11 +33,15 @@ class _Entry:
     def apply(self) -> None:
         self.module.__dict__[self.attr] = self.value
 
-    def remove(self) -> None:
-        if self.had_own:
-            self.module.__dict__[self.attr] = self.previous
-        else:
-            self.module.__dict__.pop(self.attr, None)
+
+def remove(entries: list[_Entry]) -> None:
+    """Remove the attributes `entries` set, last first: each module's own value before it, or none."""
+    for e in reversed(entries):
+        own = e.module.__dict__
+        if e.had_own:
+            own[e.attr] = e.previous
+        elif e.attr in own:
+            del own[e.attr]
 
 
 class Patches:
@@ -94,8 +98,7 @@ class Patches:
     def undo(self) -> None:
         """Remove every attribute, last first (idempotent)."""
         entries, self._entries = self._entries, []
-        for e in reversed(entries):
-            e.remove()
+        remove(entries)
         if entries:
             self._undone, self._undone_copyable = entries, self._copyable
         self._copyable = set()
@@ -132,8 +135,7 @@ class Patches:
     @contextmanager
     def suspended(self) -> Iterator[None]:
         """Remove every attribute for the duration of the block, then set them again."""
-        for entry in reversed(self._entries):
-            entry.remove()
+        remove(self._entries)
         try:
             yield
         finally:

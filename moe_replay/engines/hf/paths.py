@@ -35,9 +35,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..autograd import in_backward
 from .lane import lane_ready
 from .steps import Step
 
@@ -45,6 +45,7 @@ ENV = "MOE_REPLAY_PATH"
 CHOICES = ("auto", "general")
 READ, LANE, CALL = "read", "lane", "call"  # before a call opens
 HOLD, AS_IS, REDIRECT, MODE = "hold", "as is", "redirect", "mode"  # inside a call
+_graph_task = torch._C._current_graph_task_id  # -1 outside a backward (as `autograd.in_backward` reads it)
 
 
 def general_path() -> bool:
@@ -68,7 +69,7 @@ def before_call(hub: Any, i: int, router: nn.Module, step: Step | None, redirect
         >>> before_call(hub, 0, router, hub.tracker.current, True)  # doctest: +SKIP
         'lane'
     """
-    if step is None or hub.calls[i] is not None or in_backward():
+    if step is None or hub.calls[i] is not None or _graph_task() != -1:
         return CALL
     index = hub.record_from[i]  # (None unless the open contexts only record and the block runs unwrapped)
     if index is not None:

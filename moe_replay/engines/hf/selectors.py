@@ -109,7 +109,7 @@ def topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, bool]:
     x: torch.Tensor = args[0]
     k = int(args[1] if len(args) > 1 else kwargs["k"])
     dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-    return x, k, dim in (-1, x.dim() - 1)
+    return x, k, dim == -1 or dim == x.dim() - 1
 
 
 class TopK(Selector):

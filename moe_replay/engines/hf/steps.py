@@ -41,10 +41,10 @@ class Step:
     generating: bool = False  # inside generate
     _real: torch.Tensor | None = field(default=None, repr=False)
     _masked: bool = field(default=False, repr=False)  # (once `real` is made: whether it came from a mask)
+    tokens: int = field(init=False)  # batch * length
 
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.length
+    def __post_init__(self) -> None:
+        self.tokens = self.batch * self.length
 
     @property
     def has_mask(self) -> bool:

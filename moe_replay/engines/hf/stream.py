@@ -186,5 +186,7 @@ def hold(indices: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         >>> hold(torch.tensor([[1, 3]]))[1]
         0
     """
-    counter = version(indices)
-    return (indices, counter) if counter is not None else (indices.clone(), None)
+    try:
+        return indices, indices._version
+    except RuntimeError:  # "Inference tensors do not track version counter."
+        return indices.clone(), None

@@ -18,8 +18,9 @@ from torch import nn
 from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import Routes
-from ..autograd import checkpoint_chain, freed, in_backward, recomputing, within
-from ..fingerprint import FINGERPRINT, fingerprint, matches
+from ..autograd import checkpoint_chain, in_backward, recomputing
+from ..fingerprint import fingerprint
+from ..recompute_queue import Pending
 from .context import RouterReplayContext, Site, tp_split
 from .cp import CPRoutes
 from .pipeline import stage_columns
@@ -141,20 +142,20 @@ class MegatronRouteReplayer(RouterReplayContext):
                 rr.set_router_replay_action(None)
                 return
             if in_backward():  # activation recompute: the rows of the forward it re-runs, in any backward order
-                if not site.pending:
+                queue, backward_list = site.pending, rr.replay_backward_list
+                if len(backward_list) != len(queue.items):
+                    raise ReplayError(
+                        f"router {site.name!r}: megatron's REPLAY_BACKWARD queue was changed from outside the context"
+                    )
+                queued = queue.take(fingerprint(args[0]), recomputing())
+                if queued is None:
                     raise ReplayError(
                         f"router {site.name!r} is recomputed in the backward but no replayed forward awaits it: "
                         "run the forward inside the same `with replay_routes(...)`"
                     )
-                if len(rr.replay_backward_list) != len(site.pending):
-                    raise ReplayError(
-                        f"router {site.name!r}: megatron's REPLAY_BACKWARD queue was changed from outside the context"
-                    )
-                k = recomputed_call(site, fingerprint(args[0]), recomputing())
-                if k:  # megatron's queue hands its first rows to the recompute: these first
-                    site.pending.insert(0, site.pending.pop(k))
-                    rr.replay_backward_list.insert(0, rr.replay_backward_list.pop(k))
-                rows, site.mask, _, _ = site.pending.pop(0)
+                rows, site.mask = queued.routes
+                # megatron's queue hands its first rows to the recompute: these first (they are the very tensor)
+                backward_list.insert(0, backward_list.pop(next(k for k, r in enumerate(backward_list) if r is rows)))
                 if rows.shape[0] != args[0].shape[0] * args[0].shape[1]:
                     raise ReplayError(f"router {site.name!r}: the recompute's shape differs from its forward's")
                 rr.set_router_replay_action(backward)
@@ -166,7 +167,7 @@ class MegatronRouteReplayer(RouterReplayContext):
             # Activation recompute runs the first forward of a checkpointed block without grad inside a forward
             # that has it: exactly the calls the backward will re-run.
             if self._grad_forward[site.chunk] and not torch.is_grad_enabled():
-                site.pending.append((rows, site.mask, fingerprint(args[0]), checkpoint_chain()))
+                site.pending.add(Pending((rows, site.mask), fingerprint(args[0]), checkpoint_chain()))
             else:  # this call is never recomputed: keep Megatron's backward queue in step with ours
                 rr.replay_backward_list.pop()
 
@@ -204,7 +205,7 @@ class MegatronRouteReplayer(RouterReplayContext):
 
     def _finish(self) -> None:
         # (a call whose checkpoints were all freed unrecomputed, its forward's output dropped, is never recomputed)
-        waiting = sum(1 for s in self.sites for *_, chain in s.pending if not freed(chain))
+        waiting = sum(s.pending.waiting() for s in self.sites)
         if waiting:
             raise ReplayError(
                 f"{waiting} replayed router calls still wait for their recompute: with activation recompute the "
@@ -220,39 +221,6 @@ class MegatronRouteReplayer(RouterReplayContext):
                     "n-th Routes, so with fewer forwards they took other micro-batches' routes; pass one Routes per "
                     "forward"
                 )
-
-
-def recomputed_call(site: Site, found: torch.Tensor | None, checkpoint: Any = None) -> int:
-    """Which of `site`'s queued calls a recompute of `checkpoint` (`autograd.recomputing()`) whose router input has
-    fingerprint `found` re-runs: the call queued inside that checkpoint, else the oldest of those whose fingerprint
-    matches, if they hold the same rows; raise `ReplayError` if none matches, or several with other rows.
-
-    Example:
-        >>> recomputed_call(site, fingerprint(hidden_states), recomputing())  # doctest: +SKIP
-        0
-    """
-    hits = [k for k, (_, _, fp, _) in enumerate(site.pending) if matches(fp, found)]
-    if not hits:
-        raise ReplayError(
-            f"router {site.name!r} is recomputed in the backward but its input matches none of the "
-            f"{len(site.pending)} replayed calls waiting for their recompute (the model or its inputs changed since "
-            "the forward?)"
-        )
-    own = [k for k in hits if within(site.pending[k][3], checkpoint)]  # queued in that checkpoint's first forward
-    if own:
-        return own[0]
-    first = site.pending[hits[0]]
-    for k in hits[1:]:
-        rows, mask, _, _ = site.pending[k]
-        same = torch.equal(rows, first[0]) and (mask is None) == (first[1] is None)
-        if not same or (mask is not None and not torch.equal(mask, first[1])):
-            raise ReplayError(
-                f"router {site.name!r} is recomputed in the backward and {FINGERPRINT} sampled elements of its input "
-                f"match those of {len(hits)} waiting replayed calls with different routes, and none of them was queued "
-                "inside the checkpoint being recomputed: cannot tell which forward it re-runs; run each backward "
-                "before the next forward"
-            )
-    return hits[0]
 
 
 def replay_routes(

@@ -17,6 +17,7 @@ from torch import nn
 
 from ...errors import UnsupportedModelError
 from ...routes import LayerInfo
+from ..recompute_queue import RecomputeQueue
 
 TESTED_MEGATRON = ("0.16", "0.20")  # megatron-core >= 0.16, < 0.20: 0.16.1 and 0.19.2 tested, 0.17-0.18 in between
 TESTED_RANGE = tuple(tuple(int(x) for x in bound.split(".")) for bound in TESTED_MEGATRON)  # ((0, 16), (0, 20))
@@ -80,12 +81,23 @@ class Site:
     chunk: int = 0  # which of the given modules (virtual-pipeline chunks) holds it
     position: int = 0  # global MoE-layer index: its column in the whole model's Routes
     saved: tuple = ()
-    # awaiting recompute: (rows, mask, fingerprint of the router input, the checkpoints around it: checkpoint_chain)
-    pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, Any]] = field(default_factory=list)
+    pending: RecomputeQueue = field(init=False)  # its calls awaiting recompute, routes (rows, mask) each
     mask: torch.Tensor | None = None  # [S_local * B] bool for the current call (False: route live; None: all)
     track: bool = False  # the current call compares its live pick with the replayed one (track_live)
     column: int = 0  # the current call's layer column in its routes
     used: bool = False
+
+    def __post_init__(self) -> None:
+        # (megatron's RouterReplay pops its rows as a recompute takes them: none kept for a second one)
+        self.pending = RecomputeQueue(self.name, same_rows, keep_done=0)
+
+
+def same_rows(a: tuple, b: tuple) -> bool:
+    """Whether two queued calls replayed the same (rows, mask) (`RecomputeQueue.same`)."""
+    (rows, mask), (other, other_mask) = a, b
+    if rows.shape != other.shape or not torch.equal(rows, other) or (mask is None) != (other_mask is None):
+        return False
+    return mask is None or torch.equal(mask, other_mask)
 
 
 MTP_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.\d+\.")

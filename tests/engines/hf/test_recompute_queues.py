@@ -8,7 +8,7 @@ import torch
 from helpers import left_padded, perturb, recorded, tiny_qwen3_moe
 
 from moe_replay import ReplayError, find_routers, keep_warm, replay_routes
-from moe_replay.engines.hf import recompute
+from moe_replay.engines import recompute_queue as recompute
 from moe_replay.engines.hf.patch import MARKER
 
 
