@@ -76,6 +76,20 @@ def sampled(
     return out, rec.routes
 
 
+class Delegating(nn.Module):
+    """A wrapper module whose generate calls its model's with `extra` keyword arguments added."""
+
+    def __init__(self, model: nn.Module, **extra) -> None:  # noqa: ANN003
+        super().__init__()
+        self.pretrained_model, self.extra = model, extra
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return self.pretrained_model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return self.pretrained_model.generate(*args, **kwargs, **self.extra)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a gloo rendezvous (a fixed port collides when two test runs share the
     machine)."""

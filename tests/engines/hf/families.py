@@ -336,6 +336,20 @@ _FAMILY: dict[str, Adjust] = {
         "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
         **_mla(n, k),
     },
+    # NVFP4 key/value rounding needs head_dim % 16 == 0; layer 1 is an indexed (sparse) attention layer, kept small so
+    # that the indexer selects from a pool; the default keeps layers 0 and 1 dense
+    "kolibri1_1": lambda n, k: {
+        "head_dim": 16,
+        "layer_types": ["sliding_attention", "indexed_attention", "sliding_attention"],
+        "mlp_only_layers": [0],
+        "index_num_heads": 2,
+        "index_topk": 4,
+        "index_pool_size": 8,
+        "index_compression": 2,
+        "index_num_local_tokens": 2,
+        "index_num_sink_tokens": 1,
+        "sliding_window": 8,
+    },
     # layer_types defaults to None, which the model cannot build; conv / attention / conv
     "lfm2_moe": lambda n, k: {"layer_types": ["conv", "full_attention", "conv"]},
     # layer 0 dense; small attention chunk so chunked attention is exercised

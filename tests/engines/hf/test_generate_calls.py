@@ -1,29 +1,17 @@
-"""`generate` as users call it: a generation config passed positionally, and a wrapper module's `generate` that calls
-its model's (the settings and output of the innermost call are the ones that ran)."""
+"""`generate` as users call it and the rows it records: rows end at their EOS (one id or several; given as an
+argument, positionally in a generation config, in a passed `generation_config` that sets none or in the model's own
+config, also under a wrapper module whose `generate` calls its model's), a chunked prefill is one prompt, and a
+generate that raised midway records nothing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PAD, left_padded
+from helpers import PAD, Delegating, left_padded, sampled, tiny_qwen3_moe
 from torch import nn
 from transformers import GenerationConfig
 
-from moe_replay import UnsupportedGenerationError, record_routes
-
-
-class Delegating(nn.Module):
-    """A wrapper module whose generate calls its model's with `extra` keyword arguments added."""
-
-    def __init__(self, model: nn.Module, **extra) -> None:  # noqa: ANN003
-        super().__init__()
-        self.pretrained_model, self.extra = model, extra
-
-    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        return self.pretrained_model(*args, **kwargs)
-
-    def generate(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-        return self.pretrained_model.generate(*args, **kwargs, **self.extra)
+from moe_replay import record_routes
 
 
 def sampled_mask(target: nn.Module, call) -> torch.Tensor:  # noqa: ANN001
@@ -33,29 +21,24 @@ def sampled_mask(target: nn.Module, call) -> torch.Tensor:  # noqa: ANN001
     return rec.routes.mask
 
 
-@pytest.mark.parametrize("how", ["positional config", "model's config under a wrapper", "added by a wrapper"])
-def test_beam_search_is_refused_however_it_is_asked_for(qwen, how):
-    """Found by review: beam search was recorded, with no error, from a positional config, from the model's own
-    config under a wrapper module (whose generate has none), and when a wrapper's generate asked for it."""
-    ids, mask = left_padded(2, 5, [0, 1])
-    beams = GenerationConfig(num_beams=2, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
-    before = qwen.generation_config.num_beams
-    try:
-        with pytest.raises(UnsupportedGenerationError, match="beam search"), torch.no_grad():
-            if how == "positional config":
-                with record_routes(qwen):
-                    qwen.generate(ids, beams, attention_mask=mask)
-            elif how == "model's config under a wrapper":
-                qwen.generation_config.num_beams = 2
-                wrapper = Delegating(qwen)
-                with record_routes(wrapper):
-                    wrapper.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD)
-            else:
-                wrapper = Delegating(qwen, num_beams=2)
-                with record_routes(wrapper):
-                    wrapper.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD)
-    finally:
-        qwen.generation_config.num_beams = before
+@pytest.mark.parametrize("eos", [7, [11, 7]], ids=["one_eos", "two_eos"])
+def test_rows_end_at_their_eos_token(eos):
+    model = tiny_qwen3_moe(seed=4)
+    ids, mask = left_padded(6, 4, [0, 1, 0, 2, 0, 0], seed=4)
+    with torch.no_grad():  # make EOS likely so some rows stop early
+        model.lm_head.weight[eos] += 0.3
+    torch.manual_seed(0)
+    out, routes = sampled(model, ids, mask, 8, exact=False, eos_token_id=eos)
+    seq = out.sequences
+    finished = 0
+    for b in range(seq.shape[0]):
+        hits = torch.isin(seq[b, 4:], torch.tensor(eos)).nonzero()
+        end = 4 + int(hits[0]) if len(hits) else seq.shape[1] - 1
+        finished += bool(len(hits)) and end < seq.shape[1] - 1
+        # recorded: real prompt tokens and generated tokens before the row's last sampled one (its EOS)
+        assert routes.mask[b, :end].tolist() == mask[b].bool().tolist() + [True] * (end - 4)
+        assert not routes.mask[b, end:].any()
+    assert finished > 0  # some row stopped before the others: the check above covered post-EOS padding
 
 
 def test_rows_end_at_the_eos_of_a_positional_config_or_of_the_model_under_a_wrapper(qwen):
@@ -80,3 +63,72 @@ def test_rows_end_at_the_eos_of_a_positional_config_or_of_the_model_under_a_wrap
     finally:
         qwen.generation_config.eos_token_id = before
     assert torch.equal(got, expected)
+
+
+def test_generation_config_passed_without_eos_ends_rows_at_the_models_eos(qwen):
+    """A `generation_config` passed to generate leaves unset what it does not set: transformers fills EOS from the
+    model's, and stops there, so the routes end there too."""
+    from transformers import GenerationConfig
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    sampling = {"do_sample": True, "max_new_tokens": 8, "pad_token_id": PAD}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        eos = int(qwen.generate(input_ids=ids, attention_mask=mask, **sampling)[0, 7])  # row 0's third new token
+    qwen.generation_config.eos_token_id = eos
+    masks = []
+    for kw in (sampling, {"generation_config": GenerationConfig(**sampling)}):
+        torch.manual_seed(0)
+        with torch.no_grad(), record_routes(qwen) as rec:
+            qwen.generate(input_ids=ids, attention_mask=mask, **kw)
+        masks.append(rec.routes.mask)
+    assert not masks[0][0, 7:].any() and torch.equal(masks[1], masks[0])
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_chunked_prefill_is_one_prompt(qwen, cache):
+    """generate(prefill_chunk_size=...) runs the prompt in several forwards; out.sequences still starts with the
+    whole prompt: an EOS id inside it (a chat template's turn end) ends no row, and its padding is not recorded."""
+    ids, mask = left_padded(2, 12, [0, 3])
+    ids[:, 8] = 7
+    sampling = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": True, "pad_token_id": PAD, "eos_token_id": 7}
+    if cache == "static":
+        sampling["cache_implementation"] = "static"
+    masks = []
+    for chunk in ({}, {"prefill_chunk_size": 4}):
+        torch.manual_seed(0)
+        with torch.no_grad(), record_routes(qwen) as rec:
+            qwen.generate(input_ids=ids, attention_mask=mask, **sampling, **chunk)
+        masks.append(rec.routes.mask)
+    assert torch.equal(masks[1], masks[0]) and masks[0][:, 9:12].all() and not masks[0][1, :3].any()
+
+
+def test_a_generate_that_raises_midway_records_nothing_and_its_retry_is_recorded_alone(qwen):
+    """A generate that raised after some decode steps (an OOM, an interrupt, a logits processor's error) is not
+    recorded: a retry in the same context gives one batch, the retry's."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Boom(LogitsProcessor):
+        def __init__(self, at: int) -> None:
+            self.left = at
+
+        def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            self.left -= 1
+            if self.left == 0:
+                raise RuntimeError("out of memory (simulated)")
+            return scores
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    sampling = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": True, "pad_token_id": PAD}
+    torch.manual_seed(3)
+    with torch.no_grad(), record_routes(qwen) as alone:
+        expected = qwen.generate(input_ids=ids, attention_mask=mask, **sampling)
+    for at in (1, 5):  # after the prefill (handed to the recorder at once), after decode steps (held by the hub)
+        with torch.no_grad(), record_routes(qwen) as rec:
+            with pytest.raises(RuntimeError, match="simulated"):
+                qwen.generate(
+                    input_ids=ids, attention_mask=mask, logits_processor=LogitsProcessorList([Boom(at)]), **sampling
+                )
+            torch.manual_seed(3)
+            assert torch.equal(qwen.generate(input_ids=ids, attention_mask=mask, **sampling), expected)
+        assert len(rec.batches) == 1 and rec.routes.equal(alone.routes)

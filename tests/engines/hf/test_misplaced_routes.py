@@ -1,12 +1,13 @@
-"""Routes laid out for another batch or another model, which replay used to apply without an error: routes recorded
-on a left-padded batch replayed on the same sequences right-padded, and engine layer names whose layer numbers
-contradict the model's MoE layers (matched by order before)."""
+"""Routes that do not fit the forward they are replayed on: another batch size or length, positions left unused,
+another model's layers, expert count or k; and routes laid out for another batch or another model, which replay used
+to apply without an error: routes recorded on a left-padded batch replayed on the same sequences right-padded, and
+engine layer names whose layer numbers contradict the model's MoE layers (matched by order before)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import left_padded, recorded
+from helpers import hook_count, left_padded, recorded, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, replay_routes
 
@@ -64,3 +65,60 @@ def test_engine_layer_numbers_that_contradict_the_models_moe_layers_are_refused(
             continue
         with pytest.raises(ReplayError, match="'decoder.layers.1.mlp.router' \\(decoder layer 1\\) would replay on"):
             replay_routes(qwen, other).__enter__()
+
+
+def test_wrong_batch_and_length(qwen):
+    ids, mask = left_padded(3, 6, [0, 0, 2])
+    routes = recorded(qwen, ids, mask)
+    with pytest.raises(ReplayError, match="routes hold B=3 sequences but the forward has batch 2"):
+        with replay_routes(qwen, routes):
+            qwen(ids[:2], attention_mask=mask[:2])
+    longer = torch.cat([ids, ids[:, :2]], 1)
+    with pytest.raises(ReplayError, match=r"covers positions 0..7 but the routes hold T=6"):
+        with replay_routes(qwen, routes):
+            qwen(longer)
+    assert hook_count(qwen) == 0
+
+
+def test_unconsumed_routes_are_an_error(qwen):
+    ids, mask = left_padded(2, 6, [0, 0])
+    routes = recorded(qwen, ids, mask)
+    with pytest.raises(ReplayError, match=r"left recorded routes unused: .* at positions \[4, 5\]"):
+        with replay_routes(qwen, routes):
+            qwen(ids[:, :4])
+    with pytest.raises(ReplayError, match="never run"):
+        with replay_routes(qwen, routes):
+            pass
+    # dropping positions whose routes are masked is fine (e.g. the last sampled token)
+    trimmed = Routes(routes.indices, routes.mask.clone().index_fill_(1, torch.tensor([5]), False), routes.layers)
+    with replay_routes(qwen, trimmed):
+        qwen(ids[:, :5])
+
+
+def test_other_layer_set_is_an_error(qwen):
+    ids, mask = left_padded(2, 6, [0, 0])
+    routes = recorded(qwen, ids, mask)
+    deeper = tiny_qwen3_moe(layers=4)
+    with pytest.raises(
+        ReplayError, match=r"routes hold layers .* but Qwen3MoeForCausalLM has routers .*model.layers.3"
+    ):
+        with replay_routes(deeper, routes):
+            pass
+    # names that match no router map by layer order only when the layer count agrees (layers.match_layers)
+    three = Routes(routes.indices[:, :, [0, 1, 1]], routes.mask, [LayerInfo(f"x.{i}", 8, 2) for i in range(3)])
+    with pytest.raises(ReplayError, match=r"route layers without a router: \[.x.0., .x.1., .x.2.\]"):
+        with replay_routes(qwen, three):
+            pass
+    half = Routes(routes.indices, routes.mask, [LayerInfo("x.0", 8, 2), LayerInfo(routes.layer_names[1], 8, 2)])
+    with pytest.raises(ReplayError, match=r"route layers without a router: \[.x.0.\]"):
+        with replay_routes(qwen, half):
+            pass
+    more_experts = Routes(routes.indices, routes.mask, [LayerInfo(n, 16, 2) for n in routes.layer_names])
+    with pytest.raises(ReplayError, match="has E=8 experts but the routes hold E=16"):
+        with replay_routes(qwen, more_experts):
+            qwen(ids, attention_mask=mask)
+    top3 = tiny_qwen3_moe(top_k=3)
+    with pytest.raises(ReplayError, match=r"hold k=2 of E=8 experts .* top-k calls were \(E, k\) = \[\(8, 3\)\]"):
+        with replay_routes(top3, routes):
+            top3(ids, attention_mask=mask)
+    assert hook_count(qwen) == hook_count(deeper) == hook_count(top3) == 0

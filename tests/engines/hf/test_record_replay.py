@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from helpers import PAD, extend_mask, left_padded, perturb, sampled, tiny_qwen3_moe
+from helpers import PAD, extend_mask, left_padded, perturb, recorded, sampled, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
 from moe_replay.engines.hf import wrapper as wrapper_module
@@ -140,6 +140,15 @@ def test_minibatch_slices_replay_exactly(qwen):
         assert check.routes.equal(routes[idx])
 
 
+def test_scalar_tensor_index_keeps_batch_dim(qwen):
+    ids, mask = left_padded(3, 5, [0, 1, 0])
+    routes = recorded(qwen, ids, mask)
+    import numpy as np
+
+    for i in (torch.tensor(1), np.int64(1), 1):
+        assert routes[i].shape == (1, 5, 2, 2) and torch.equal(routes[i].indices, routes.indices[1:2])
+
+
 def test_replay_under_generate_with_cache(qwen):
     """Replay also applies step by step with a KV cache: forced experts at the recorded positions."""
     ids, mask = left_padded(2, 5, [0, 2])
@@ -204,15 +213,6 @@ def test_mask_contract_holds_for_every_cache_implementation(qwen, cache):
     with record_routes(qwen) as tf:
         qwen(seq, attention_mask=extend_mask(mask, seq.shape[1]))
     assert torch.equal(tf.routes.indices[routes.mask], routes.indices[routes.mask])
-
-
-def test_continuous_batching_is_refused_at_the_call(qwen):
-    """generate_batch packs several requests into one forward: refused when called, not recorded as B=1 batches."""
-    from moe_replay import UnsupportedGenerationError
-
-    with record_routes(qwen), pytest.raises(UnsupportedGenerationError, match="continuous batching"):
-        qwen.generate_batch([[1, 2, 3]])
-    assert "generate_batch" not in qwen.__dict__  # the refusal is scoped to the context
 
 
 def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_again_after_it(

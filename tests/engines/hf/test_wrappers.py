@@ -1,4 +1,5 @@
-"""Models inside other tools' wrappers: PEFT LoRA (both directions) and torch.compile."""
+"""Models inside other tools' wrappers: a PEFT-like module (forward and generate passed through), PEFT LoRA (both
+directions), torch.compile, and a wrapper whose forward takes (*args, **kwargs)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import copy
 
 import pytest
 import torch
-from helpers import left_padded, perturb, recorded
+from helpers import PAD, hook_count, left_padded, perturb, recorded
+from torch import nn
 
 from moe_replay import record_routes, replay_routes
 
@@ -70,3 +72,31 @@ def test_a_wrapper_taking_star_args_passes_its_keyword_arguments_through(qwen):
         wrapper(ids, attention_mask=mask)
     assert torch.equal(rec.routes.mask, mask.bool())
     assert torch.equal(rec.routes.indices[mask.bool()], recorded(qwen, ids, mask).indices[mask.bool()])
+
+
+class Wrapper(nn.Module):
+    """A PEFT-like wrapper: forward(*args, **kwargs) and generate passed through."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+
+def test_wrapped_model_records_and_replays_on_the_inner_model(qwen):
+    wrapped = Wrapper(qwen)
+    ids, mask = left_padded(2, 5, [0, 2])
+    with record_routes(wrapped) as rec:
+        ref = wrapped(input_ids=ids, attention_mask=mask).logits
+        wrapped(ids, mask)  # positional call: a second batch
+        out = wrapped.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD)
+    first, _, gen = rec.batches
+    assert first.layer_names[0] == "inner.model.layers.0.mlp.gate" and gen.seq_len == out.shape[1]
+    with replay_routes(qwen, first):  # names matched by their dotted suffix
+        assert torch.equal(qwen(ids, attention_mask=mask).logits, ref)
+    assert hook_count(wrapped) == 0

@@ -10,14 +10,12 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
-from helpers import free_port  # noqa: E402
 from megatron_utils import (  # noqa: E402
     EXPERTS,
     LAYERS,
     TOP_K,
     batch,
     grads,
-    megatron_cpu,
     perturb_routers,
     recompute_pair,
     tiny_gpt,
@@ -36,11 +34,7 @@ from moe_replay.engines.megatron import (  # noqa: E402
 from moe_replay.engines.megatron.routers import refusal  # noqa: E402
 from moe_replay.routes import LayerInfo  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_process():
-    with megatron_cpu(port=free_port()):
-        yield
+pytestmark = pytest.mark.usefixtures("megatron_process")  # one megatron-core CPU process (conftest.py)
 
 
 def routers(model):

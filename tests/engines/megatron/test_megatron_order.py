@@ -11,7 +11,6 @@ import torch
 
 pytest.importorskip("megatron.core.transformer.moe.router_replay", reason="needs the [megatron] extra")
 
-from helpers import free_port  # noqa: E402
 from megatron_utils import (  # noqa: E402
     EXPERTS,
     HIDDEN,
@@ -19,7 +18,6 @@ from megatron_utils import (  # noqa: E402
     VOCAB,
     batch,
     grads,
-    megatron_cpu,
     micro_batch_routes,
     recompute_pair,
     set_weights,
@@ -30,11 +28,7 @@ from moe_replay import ReplayError  # noqa: E402
 from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
 from moe_replay.integrations.vllm import routes_from_vllm  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron_process():
-    with megatron_cpu(port=free_port()):
-        yield
+pytestmark = pytest.mark.usefixtures("megatron_process")  # one megatron-core CPU process (conftest.py)
 
 
 @pytest.mark.parametrize("identical", [False, True], ids=["distinct", "identical"])

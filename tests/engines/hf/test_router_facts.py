@@ -1,0 +1,46 @@
+"""What contexts learn about each router class (where its top-k runs, which output holds the indices): top-k
+interception narrows to the router once learned, and what is learned is kept for the next context only inside a
+`keep_warm` scope on that model."""
+
+from __future__ import annotations
+
+from helpers import left_padded, recorded, tiny_qwen3_moe
+
+from moe_replay import keep_warm, record_routes
+
+
+def test_interception_narrows_to_the_router_unless_top_k_runs_in_the_block(qwen):
+    """After the first call, top-k interception runs in the router alone (the experts' ops skip the Python-level
+    TorchFunctionMode), except for DBRX, whose top-k runs in the MoE block."""
+    from families import build_tiny_model
+
+    ids, mask = left_padded(2, 5, [0, 1])
+    for model, expected in ((qwen, True), (build_tiny_model("dbrx"), False)):
+        with keep_warm(model) as scope:
+            with record_routes(model) as rec:
+                model(ids, attention_mask=mask)
+                model(ids, attention_mask=mask)  # the narrowed (or not) second call records the same routes
+            facts = scope.facts  # learned per model, per router class
+            assert [f.topk_in_router for f in facts.values()] == [expected]
+        first, second = rec.batches
+        assert first.equal(second)
+
+
+def test_what_contexts_learn_is_kept_only_inside_keep_warm(qwen):
+    """What a context learns about a router class is kept for the next context only inside a `keep_warm` scope on
+    that model (not in module globals, not on the model once the scope closes)."""
+    ids, mask = left_padded(2, 5, [0, 1])
+    before = set(qwen.__dict__)
+    first = recorded(qwen, ids, mask)
+    assert set(qwen.__dict__) == before  # no scope: nothing kept
+    with keep_warm(qwen) as scope:
+        assert scope.facts == {}
+        assert recorded(qwen, ids, mask).equal(first)
+        (facts,) = scope.facts.values()
+        assert facts.topk_in_router is True and facts.output_index == {False: 2}  # eval: output 2 is the indices
+        assert recorded(qwen, ids, mask).equal(first)  # the next context starts from the facts (reads output 2)
+        other = tiny_qwen3_moe()
+        with keep_warm(other) as theirs:
+            assert theirs.facts == {}  # another model of the same classes learns its own
+            assert recorded(other, ids, mask).equal(first)
+    assert set(qwen.__dict__) == before
