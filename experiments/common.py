@@ -1,5 +1,6 @@
 """What the experiment scripts share: the command line (`--preset quick|full`, `--out`, `--runs`, `--quiet`), the
-cached warm-started policies, and writing tables and figures.
+`main` of the scripts that train, summarize and plot (`run_script`, `sharded_steps`), the cached warm-started
+policies, and writing tables and figures.
 
 Example (in an experiment script, run as `python experiments/<name>.py`, whose folder is then on sys.path):
     >>> from common import parse_args, save_figure, warm_started  # doctest: +SKIP
@@ -20,7 +21,7 @@ from matplotlib.figure import Figure
 from torch import nn
 
 from moe_replay import expert_change, teacher_forced_routes
-from moe_replay.rl import DEFAULT_EPSILON, Rollout, Task, answer_logp, build_policy, warm_start
+from moe_replay.rl import DEFAULT_EPSILON, Rollout, Task, TrainConfig, answer_logp, build_policy, train, warm_start
 
 RESULTS = Path("experiments/results")  # the committed results: written only when asked (--out experiments/results)
 OUT = Path("runs/results")  # where a run's tables and figures go by default
@@ -29,6 +30,12 @@ BASE_TASK = Task("addition", 3)  # the task every experiment warm-starts on unle
 CHANCE = 0.1  # per-digit reward of random answers
 LEARNED = CHANCE + 0.05  # a warm start whose per-digit reward is below this has not learned its task
 LOW, HIGH = DEFAULT_EPSILON["token"]  # GRPO's clip band (DAPO's clip-higher): 0.2, 0.27
+# round 3's arms (long_answers.py, decisive.py) as TrainConfig settings; R2 replays the old-log-prob forward's routes
+ROUND3_ARMS = {
+    "GRPO": {"importance_sampling_level": "token", "replay": "off"},
+    "GRPO + R2": {"importance_sampling_level": "token", "replay": "old_logprob"},
+    "GSPO": {"importance_sampling_level": "sequence", "replay": "off"},
+}
 
 
 def parse_args(
@@ -86,6 +93,62 @@ def shard_option(ap: argparse.ArgumentParser) -> None:
 
     ap.add_argument("--shard", type=pair, default=(0, 1),
                     help="run the seeds s with s %% N == K (K/N), e.g. 0/2 and 1/2 at once")  # fmt: skip
+
+
+def run_script(
+    doc: str,
+    presets: Mapping[str, Any],
+    name: str,
+    run_all: Callable[[str, Path, bool], pd.DataFrame],
+    summarize: Callable[[pd.DataFrame], pd.DataFrame],
+    figure: Callable[[pd.DataFrame], Figure],
+    dpi: int = 120,
+) -> None:
+    """The `main` of a script whose `run_all(preset, runs, progress)` trains every run and returns their step logs:
+    parse the common options (runs by default in `runs/<name>_<preset>`), take the steps from the runs (written to
+    `<out>/<name>_steps.csv`) or, with `--replot`, from the committed CSV, and publish the summary and figure.
+
+    Example:
+        >>> run_script(__doc__, PRESETS, "compare", run_all, summarize, figure, dpi=110)  # doctest: +SKIP
+    """
+    args = parse_args(doc, presets, runs=lambda preset: Path(f"runs/{name}_{preset}"))
+    if args.replot:
+        frame = committed(f"{name}_steps.csv")
+    else:
+        frame = run_all(args.preset, args.runs, not args.quiet)
+        write_table(frame, args.out / f"{name}_steps.csv")
+    publish(summarize(frame), figure(frame), args.out, name, dpi=dpi)
+
+
+def sharded_steps(
+    args: argparse.Namespace, name: str, run_all: Callable[..., pd.DataFrame | None]
+) -> pd.DataFrame | None:
+    """The steps of a script that splits its runs with `--shard`: with `--replot` the committed `<name>_steps.csv`;
+    else this shard's `run_all(preset, runs, progress, shard)`, written to `<out>/<name>_steps.csv` when the shard is
+    the whole plan, or None (saying so) when the other shards' runs are left to collect.
+
+    Example:
+        >>> frame = sharded_steps(args, "decisive", run_all)  # doctest: +SKIP
+    """
+    if args.replot:
+        return committed(f"{name}_steps.csv")
+    k, n = args.shard
+    frame = run_all(args.preset, args.runs, not args.quiet, (k, n))
+    if frame is None:
+        print(f"shard {k}/{n} done; run without --shard to collect")
+        return None
+    write_table(frame, args.out / f"{name}_steps.csv")
+    return frame
+
+
+def train_log(output: Path, init: Path, progress: bool, **settings: Any) -> pd.DataFrame:
+    """Train (or resume) the run `TrainConfig(output=output, init=init, **settings)`; its step log (steps.csv).
+
+    Example:
+        >>> log = train_log(runs / "grpo_seed0", runs / "init_seed0", True, seed=0, steps=200)  # doctest: +SKIP
+    """
+    cfg = TrainConfig(output=str(output), init=str(init), **settings)
+    return pd.read_csv(train(cfg, progress=progress) / "steps.csv")
 
 
 def committed(name: str) -> pd.DataFrame:

@@ -21,12 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from common import committed, parse_args, publish, running_mean, write_table
+from common import run_script, running_mean, train_log
 from matplotlib.figure import Figure
 from paired_stats import gap_columns
 
 from moe_replay.analysis import plots
-from moe_replay.rl import TrainConfig, train
 
 ARMS = {
     "GRPO": {"importance_sampling_level": "token", "replay": "off"},
@@ -35,13 +34,13 @@ ARMS = {
     "GSPO + replay": {"importance_sampling_level": "sequence", "replay": "rollout"},
 }
 PRESETS = {
-    "quick": {"seeds": [0], "steps": 4, "warm_start_steps": 30},
-    "full": {"seeds": [0, 1, 2], "steps": 200, "warm_start_steps": 300},
+    "quick": {"seeds": [0], "train": {"steps": 4, "warm_start_steps": 30}},
+    "full": {"seeds": [0, 1, 2], "train": {"steps": 200, "warm_start_steps": 300}},
 }
 THRESHOLD = 0.5  # reward threshold for "steps to reach"
 
 
-def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
+def run_all(preset: str, runs: Path, progress: bool) -> pd.DataFrame:
     """Train every arm for every seed (runs resume if interrupted) and collect the step logs."""
     p = PRESETS[preset]
     frames = []
@@ -49,19 +48,9 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
         init = runs / f"init_seed{seed}"  # one warm start per seed, shared by the arms
         for arm, settings in ARMS.items():
             tag = arm.lower().replace(" + ", "_").replace(" ", "_")
-            cfg = TrainConfig(
-                output=str(runs / f"{tag}_seed{seed}"),
-                init=str(init),
-                seed=seed,
-                steps=p["steps"],
-                warm_start_steps=p["warm_start_steps"],
-                **settings,
-            )
-            log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
+            log = train_log(runs / f"{tag}_seed{seed}", init, progress, seed=seed, **p["train"], **settings)
             frames.append(log.assign(arm=arm, seed=seed))
-    frame = pd.concat(frames, ignore_index=True)
-    write_table(frame, out / "compare_steps.csv")
-    return frame
+    return pd.concat(frames, ignore_index=True)
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
@@ -123,14 +112,5 @@ def figure(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/compare_{preset}"))
-    if args.replot:
-        frame = committed("compare_steps.csv")
-    else:
-        frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
-    publish(summarize(frame), figure(frame), args.out, "compare", dpi=110)
-
-
 if __name__ == "__main__":
-    main()
+    run_script(__doc__, PRESETS, "compare", run_all, summarize, figure, dpi=110)

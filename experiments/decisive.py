@@ -22,18 +22,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from common import committed, parse_args, publish, running_mean, shard_option, write_table
+from common import ROUND3_ARMS, parse_args, publish, running_mean, shard_option, sharded_steps, train_log
 from matplotlib.figure import Figure
 from paired_stats import paired_table
 
 from moe_replay.analysis import plots
-from moe_replay.rl import TrainConfig, train
 
-ARMS = {
-    "GRPO": {"importance_sampling_level": "token", "replay": "off"},
-    "GRPO + R2": {"importance_sampling_level": "token", "replay": "old_logprob"},
-    "GSPO": {"importance_sampling_level": "sequence", "replay": "off"},
-}
+ARMS = ROUND3_ARMS  # GRPO, GRPO + R2 and GSPO
 HELDOUT = "eval/sampled/reward"
 UNBOUNDED = "ratio/unbounded_negative_mean"
 SETTING = {"task": "pair_sum", "task_size": 16, "policy": {"num_experts": 16, "num_experts_per_tok": 2}, "lr": 1e-3}
@@ -69,9 +64,10 @@ def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0
         if seed % n != k:
             continue
         tag = arm.lower().replace(" + ", "_").replace(" ", "_")
-        cfg = TrainConfig(
-            output=str(runs / f"{tag}_seed{seed}"),
-            init=str(runs / f"init_seed{seed}"),  # one warm start per seed, shared by the arms
+        log = train_log(
+            runs / f"{tag}_seed{seed}",
+            runs / f"init_seed{seed}",  # one warm start per seed, shared by the arms
+            progress,
             seed=seed,
             steps=p["steps"],
             warm_start_steps=p["warm_start_steps"],
@@ -79,7 +75,6 @@ def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0
             **p["train"],
             **ARMS[arm],
         )
-        log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
         frames.append(log.assign(arm=arm, seed=seed))
     return pd.concat(frames, ignore_index=True) if n == 1 else None
 
@@ -154,16 +149,9 @@ def figure(frame: pd.DataFrame) -> Figure:
 
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/decisive_{preset}"), extra=shard_option)
-    if args.replot:
-        frame = committed("decisive_steps.csv")
-    else:
-        k, n = args.shard
-        frame = run_all(args.preset, args.runs, not args.quiet, (k, n))
-        if frame is None:
-            print(f"shard {k}/{n} done; run without --shard to collect")
-            return
-        write_table(frame, args.out / "decisive_steps.csv")
-    publish(summarize(frame), figure(frame), args.out, "decisive", dpi=110)
+    frame = sharded_steps(args, "decisive", run_all)
+    if frame is not None:
+        publish(summarize(frame), figure(frame), args.out, "decisive", dpi=110)
 
 
 if __name__ == "__main__":

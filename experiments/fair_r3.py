@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from common import WARM_STARTS, committed, parse_args, publish, shard_option, warm_started, write_table
+from common import WARM_STARTS, parse_args, publish, shard_option, sharded_steps, warm_started
 from mismatch import SOURCES, figure, run_arm, summarize
 
 NOISE = 0.04  # ~10% of routed expert choices differ at the warm start (--calibrate measures it)
@@ -68,17 +68,10 @@ def run_all(preset: str, runs: Path, progress: bool, shard: tuple[int, int] = (0
 
 def main() -> None:
     args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/fair_r3_{preset}"), extra=shard_option)
-    if args.replot:
-        frame = committed("fair_r3_steps.csv")
-    else:
-        k, n = args.shard
-        frame = run_all(args.preset, args.runs, not args.quiet, (k, n))
-        if frame is None:
-            print(f"shard {k}/{n} done; run without --shard to collect")
-            return
-        write_table(frame, args.out / "fair_r3_steps.csv")
-    sampler = f"fp32 sampler with selection noise {NOISE} (gating weights exact)"
-    publish(summarize(frame), figure(frame, sampler), args.out, "fair_r3", dpi=110)
+    frame = sharded_steps(args, "fair_r3", run_all)
+    if frame is not None:
+        sampler = f"fp32 sampler with selection noise {NOISE} (gating weights exact)"
+        publish(summarize(frame), figure(frame, sampler), args.out, "fair_r3", dpi=110)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from common import LEARNED, committed, parse_args, publish, write_table
+from common import LEARNED, ROUND3_ARMS, run_script, train_log
 from matplotlib.figure import Figure
 from paired_stats import gap_columns
 
-from moe_replay.rl import TrainConfig, train
-
-ARMS = {
-    "GRPO": {"importance_sampling_level": "token", "replay": "off"},
-    "GRPO + R2": {"importance_sampling_level": "token", "replay": "old_logprob"},
-    "GSPO": {"importance_sampling_level": "sequence", "replay": "off"},
-}
+ARMS = ROUND3_ARMS  # GRPO, GRPO + R2 and GSPO
 HELDOUT = "eval/sampled/reward"
 TASK = "pair_sum"
 PRESETS = {
@@ -58,8 +52,8 @@ PRESETS = {
 }
 
 
-def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
-    """Train every arm at every length, seed by seed (runs resume if interrupted); write and return the logs."""
+def run_all(preset: str, runs: Path, progress: bool) -> pd.DataFrame:
+    """Train every arm at every length, seed by seed (runs resume if interrupted); return the logs."""
     p = PRESETS[preset]
     frames = []
     seeds = p["seeds"] if isinstance(p["seeds"], dict) else dict.fromkeys(p["lengths"], p["seeds"])
@@ -68,9 +62,10 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
             init = runs / f"init_{TASK}{length}_seed{seed}"  # shared by the arms
             for arm, settings in ARMS.items():
                 tag = arm.lower().replace(" + ", "_").replace(" ", "_")
-                cfg = TrainConfig(
-                    output=str(runs / f"{tag}_len{length}_seed{seed}"),
-                    init=str(init),
+                log = train_log(
+                    runs / f"{tag}_len{length}_seed{seed}",
+                    init,
+                    progress,
                     seed=seed,
                     task=TASK,
                     task_size=length,
@@ -79,11 +74,8 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
                     **p["train"],
                     **settings,
                 )
-                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
                 frames.append(log.assign(answer_len=length, arm=arm, seed=seed))
-    frame = pd.concat(frames, ignore_index=True)
-    write_table(frame, out / "long_answers_steps.csv")
-    return frame
+    return pd.concat(frames, ignore_index=True)
 
 
 def per_run(frame: pd.DataFrame) -> pd.DataFrame:
@@ -177,14 +169,5 @@ def figure(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/long_answers_{preset}"))
-    if args.replot:
-        frame = committed("long_answers_steps.csv")
-    else:
-        frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
-    publish(summarize(frame), figure(frame), args.out, "long_answers")
-
-
 if __name__ == "__main__":
-    main()
+    run_script(__doc__, PRESETS, "long_answers", run_all, summarize, figure)

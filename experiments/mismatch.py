@@ -24,12 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from common import WARM_STARTS, committed, parse_args, publish, warm_started, write_table
+from common import WARM_STARTS, run_script, train_log, warm_started
 from matplotlib.figure import Figure
 from paired_stats import gap_columns, last_evaluations
 
 from moe_replay.analysis import plots
-from moe_replay.rl import TrainConfig, train
 
 SAMPLER = {"rollout_dtype": "bfloat16", "rollout_weight_quant": "fp8_e5m2"}
 METHODS = {
@@ -47,7 +46,7 @@ PRESETS = {
 HELDOUT = "eval/sampled/reward"
 
 
-def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
+def run_all(preset: str, runs: Path, progress: bool) -> pd.DataFrame:
     """Train every arm for every seed (runs resume if interrupted) and collect the step logs."""
     p = PRESETS[preset]
     frames = []
@@ -56,9 +55,7 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
         for source in SOURCES:
             for method in METHODS:
                 frames.append(run_arm(runs, init, seed, method, source, p, progress, **SAMPLER))
-    frame = pd.concat(frames, ignore_index=True)
-    write_table(frame, out / "mismatch_steps.csv")
-    return frame
+    return pd.concat(frames, ignore_index=True)
 
 
 def run_arm(
@@ -67,19 +64,20 @@ def run_arm(
     """Train (or resume) one arm, `method` of METHODS with π_old from `source`, at preset `p` with the `sampler`
     settings; its step log, tagged with arm, method, source and seed."""
     tag = f"{method.lower().replace(' + ', '_')}_{source}_seed{seed}"
-    cfg = TrainConfig(
-        output=str(runs / tag),
-        init=str(init),
+    batch = dict(zip(("prompts", "group_size", "minibatches"), p.get("batch", (16, 8, 4)), strict=True))
+    log = train_log(
+        runs / tag,
+        init,
+        progress,
         seed=seed,
         steps=p["steps"],
         old_logprob_source=source,
         heldout_prompts=p["heldout"],
         eval_every=p["eval_every"],
-        **dict(zip(("prompts", "group_size", "minibatches"), p.get("batch", (16, 8, 4)), strict=True)),
+        **batch,
         **sampler,
         **METHODS[method],
     )
-    log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
     return log.assign(arm=f"{method}, π_old {source}", method=method, source=source, seed=seed)
 
 
@@ -148,14 +146,5 @@ def figure(frame: pd.DataFrame, sampler: str = "bf16 + fp8-e5m2 sampler") -> Fig
     return fig
 
 
-def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/mismatch_{preset}"))
-    if args.replot:
-        frame = committed("mismatch_steps.csv")
-    else:
-        frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
-    publish(summarize(frame), figure(frame), args.out, "mismatch", dpi=110)
-
-
 if __name__ == "__main__":
-    main()
+    run_script(__doc__, PRESETS, "mismatch", run_all, summarize, figure, dpi=110)

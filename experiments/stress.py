@@ -24,12 +24,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from common import WARM_STARTS, committed, parse_args, publish, running_mean, warm_started, write_table
+from common import WARM_STARTS, run_script, running_mean, train_log, warm_started
 from matplotlib.figure import Figure
 from paired_stats import gap_columns
 
 from moe_replay.analysis import plots
-from moe_replay.rl import TrainConfig, train
 
 STRESS = {"lr": 1e-3, "minibatches": 16, "rollout_dtype": "bfloat16", "router_scale": 0.25}
 LEFT_OUT = {"lr": 1e-4, "minibatches": 4, "rollout_dtype": "float32", "router_scale": 1.0}  # the base values
@@ -44,16 +43,15 @@ PRESETS = {
     "quick": {
         "settings": ["stress", "stress − lr 1e-3"],
         "seeds": [0],
-        "steps": 1,
         "warm_start_steps": 10,
-        "batch": {"prompts": 4, "group_size": 4},  # 16 answers: one per minibatch at μ 16
+        "train": {"steps": 1, "prompts": 4, "group_size": 4},  # 16 answers: one per minibatch at μ 16
     },
-    "full": {"settings": list(SETTINGS), "seeds": [0, 1, 2], "steps": 80, "warm_start_steps": 300},
+    "full": {"settings": list(SETTINGS), "seeds": [0, 1, 2], "warm_start_steps": 300, "train": {"steps": 80}},
 }
 
 
-def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
-    """Train every arm of every setting, seed by seed (runs resume if interrupted); write and return the logs."""
+def run_all(preset: str, runs: Path, progress: bool) -> pd.DataFrame:
+    """Train every arm of every setting, seed by seed (runs resume if interrupted); return the logs."""
     p = PRESETS[preset]
     frames = []
     for seed in p["seeds"]:
@@ -63,20 +61,9 @@ def run_all(preset: str, out: Path, runs: Path, progress: bool) -> pd.DataFrame:
                 if replay == "old_logprob" and name not in R2_SETTINGS:
                     continue
                 tag = f"{name.replace(' − ', '-minus-').replace(' ', '')}_{replay}_seed{seed}"
-                cfg = TrainConfig(
-                    output=str(runs / tag),
-                    init=str(init),
-                    seed=seed,
-                    steps=p["steps"],
-                    replay=replay,
-                    **p.get("batch", {}),
-                    **SETTINGS[name],
-                )
-                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
+                log = train_log(runs / tag, init, progress, seed=seed, replay=replay, **p["train"], **SETTINGS[name])
                 frames.append(log.assign(setting=name, arm=arm, seed=seed))
-    frame = pd.concat(frames, ignore_index=True)
-    write_table(frame, out / "stress_steps.csv")
-    return frame
+    return pd.concat(frames, ignore_index=True)
 
 
 def summarize(frame: pd.DataFrame) -> pd.DataFrame:
@@ -141,14 +128,5 @@ def figure(frame: pd.DataFrame) -> Figure:
     return fig
 
 
-def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/stress_{preset}"))
-    if args.replot:
-        frame = committed("stress_steps.csv")
-    else:
-        frame = run_all(args.preset, args.out, args.runs, progress=not args.quiet)
-    publish(summarize(frame), figure(frame), args.out, "stress", dpi=100)
-
-
 if __name__ == "__main__":
-    main()
+    run_script(__doc__, PRESETS, "stress", run_all, summarize, figure, dpi=100)

@@ -24,12 +24,11 @@ import argparse
 from pathlib import Path
 
 import pandas as pd
-from common import LEARNED, committed, parse_args, publish, running_mean, write_table
+from common import LEARNED, committed, parse_args, publish, running_mean, train_log, write_table
 from matplotlib.figure import Figure
 from paired_stats import gap_columns
 
 from moe_replay.analysis import plots
-from moe_replay.rl import TrainConfig, train
 
 ARMS = {"GRPO": "off", "GRPO + replay": "rollout"}
 MOVED = "routes_moved_since_rollout/last_minibatch"
@@ -85,9 +84,10 @@ def run_all(names: list[str], preset: str, runs: Path, progress: bool) -> pd.Dat
         for seed in p["seeds"]:
             for arm, replay in ARMS.items():
                 settings = SETTINGS[name]
-                cfg = TrainConfig(
-                    output=str(runs / f"{name}_{replay}_seed{seed}"),
-                    init=str(init_dir(runs, settings, seed)),
+                log = train_log(
+                    runs / f"{name}_{replay}_seed{seed}",
+                    init_dir(runs, settings, seed),
+                    progress,
                     seed=seed,
                     steps=p["steps"],
                     warm_start_steps=p["warm_start_steps"],
@@ -95,7 +95,6 @@ def run_all(names: list[str], preset: str, runs: Path, progress: bool) -> pd.Dat
                     replay=replay,
                     **settings,
                 )
-                log = pd.read_csv(train(cfg, progress=progress) / "steps.csv")
                 frames.append(log.assign(setting=name, arm=arm, seed=seed))
     return pd.concat(frames, ignore_index=True)
 

@@ -36,6 +36,12 @@ def run_quick(script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch | Non
     return tmp_path / "out"
 
 
+def assert_figure(path: Path, height: int, width: int) -> None:
+    """The PNG at `path` is more than `height` x `width` pixels."""
+    shape = mpimg.imread(path).shape
+    assert shape[0] > height and shape[1] > width, (path, shape)
+
+
 @pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
 def test_compare_quick_preset(tmp_path):
     run_quick("compare.py", tmp_path)
@@ -47,8 +53,7 @@ def test_compare_quick_preset(tmp_path):
     # GSPO clips whole answers at ε 3e-4 / 4e-4: far more tokens than GRPO's token-level clip at 0.2 / 0.27
     grpo, gspo = (summary.set_index("arm").loc[a, "clipped_tokens"] for a in ("GRPO", "GSPO"))
     assert gspo > grpo
-    image = mpimg.imread(tmp_path / "out" / "compare.png")
-    assert image.shape[0] > 500 and image.shape[1] > 800
+    assert_figure(tmp_path / "out" / "compare.png", 500, 800)
 
 
 @pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
@@ -73,8 +78,7 @@ def test_expert_change_quick_preset(tmp_path, monkeypatch):
     summary = pd.read_csv(out / "expert_change_summary.csv")
     assert len(summary) == 4 and summary.first_mean.between(0, 100).all() and summary.later_mean.notna().all()
     for name in ("expert_change_lr.png", "expert_change_layers.png"):
-        image = mpimg.imread(out / name)
-        assert image.shape[0] > 300 and image.shape[1] > 500
+        assert_figure(out / name, 300, 500)
     assert (tmp_path / "runs" / "init_L4_E16_k2_w10_seed0" / "config.json").exists()  # the warm start, cached
 
 
@@ -91,8 +95,7 @@ def test_mechanism_quick_preset(tmp_path, monkeypatch):
     assert set(frame.view) == {"live routing", "routing replay"}
     assert frame.outside_clip.between(0, 1).all() and frame.experts_changed.between(0, 1).all()
     assert (frame.var_log_ratio >= 0).all()
-    image = mpimg.imread(out / "mechanism.png")
-    assert image.shape[0] > 300 and image.shape[1] > 800
+    assert_figure(out / "mechanism.png", 300, 800)
 
 
 @pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
@@ -105,8 +108,7 @@ def test_mismatch_quick_preset(tmp_path, monkeypatch):
     by_arm = summary.set_index("arm")  # (a baseline has no gap to itself: NaN)
     assert len(summary) == 10 and pd.isna(by_arm.loc["GRPO, π_old sampler", "gap_to_grpo_mean"])
     assert by_arm.loc["GRPO + R3, π_old sampler", "gap_to_grpo_seeds_ahead"] in {"0/1", "1/1"}
-    image = mpimg.imread(tmp_path / "out" / "mismatch.png")
-    assert image.shape[0] > 300 and image.shape[1] > 800
+    assert_figure(tmp_path / "out" / "mismatch.png", 300, 800)
 
 
 @pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)
@@ -122,8 +124,7 @@ def test_stress_quick_preset(tmp_path, monkeypatch):
     assert steps[steps.setting == "stress"]["mismatch/fraction"].gt(0).all()
     # replayed arms log the live counterfactual clip fraction; GRPO has no replayed routes to compare with
     assert summary.loc[("stress", "GRPO + R3"), "clipped_live_counterfactual"] >= 0
-    image = mpimg.imread(tmp_path / "out" / "stress.png")
-    assert image.shape[0] > 300 and image.shape[1] > 500
+    assert_figure(tmp_path / "out" / "stress.png", 300, 500)
 
 
 @pytest.mark.slow  # (opt in: python -m pytest -m slow; .ci/run runs them)

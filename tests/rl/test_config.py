@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from rl_utils import SMALL
 
 from moe_replay.rl.config import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = {"num_hidden_layers": 2, "hidden_size": 32, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 8}
 
 
 def refused(kw: dict, *names: str) -> str:
@@ -201,21 +201,19 @@ def test_every_experiment_config_is_valid(monkeypatch, tmp_path):
         pd.DataFrame({"step": [1], "reward_mean": [0.0]}).to_csv(out / "steps.csv", index=False)
         return out
 
+    common = importlib.import_module("common")  # experiments/common.py: its `train_log` trains every run
+    assert Path(common.__file__).parent == ROOT / "experiments", common.__file__
+    monkeypatch.setattr(common, "train", fake_train)
     for name in ("compare", "long_answers", "mismatch", "stress", "sweep"):
         spec = importlib.util.spec_from_file_location(f"experiment_{name}", ROOT / "experiments" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         monkeypatch.setitem(sys.modules, spec.name, module)
         spec.loader.exec_module(module)
-        monkeypatch.setattr(module, "train", fake_train)
         if hasattr(module, "warm_started"):
             monkeypatch.setattr(module, "warm_started", lambda *a, **k: tmp_path / "init")
         for preset in module.PRESETS:
             before = len(made)
             first = next(iter(inspect.signature(module.run_all).parameters))
-            args = (
-                (list(module.SETTINGS), preset, tmp_path, False)
-                if first == "names"
-                else (preset, tmp_path, tmp_path, False)
-            )
+            args = (list(module.SETTINGS), preset, tmp_path, False) if first == "names" else (preset, tmp_path, False)
             module.run_all(*args)
             assert len(made) > before, (name, preset)

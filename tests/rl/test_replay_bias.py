@@ -9,7 +9,7 @@ import copy
 import pandas as pd
 import pytest
 import torch
-from test_rl_loop import SMALL, config, init  # noqa: F401 - the shared warm-started policy fixture
+from rl_utils import SMALL, config
 
 from moe_replay.rl.config import TrainConfig
 from moe_replay.rl.loop import train
@@ -62,7 +62,7 @@ def test_moved_routers_give_a_bias_and_the_live_gradient_is_a_live_backward():
         assert torch.equal(a, b)
 
 
-def test_replay_max_age_routes_later_minibatches_live(tmp_path, init):  # noqa: F811
+def test_replay_max_age_routes_later_minibatches_live(tmp_path, init):
     out = train(config(tmp_path, init, steps=1, minibatches=2, replay="rollout", replay_max_age=1), progress=False)
     mb = pd.read_csv(out / "minibatches.csv")
     assert mb.loc[0, "replay_bias/kl_k3"] >= 0 and pd.isna(mb.loc[1, "replay_bias/kl_k3"])  # minibatch 1: live

@@ -5,38 +5,13 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from rl_utils import RUN, SMALL, config
 
 from moe_replay.cli import main
 from moe_replay.rl.config import TrainConfig, load_config
 from moe_replay.rl.loop import train
 from moe_replay.rl.policy import build_policy, sampled_reward, warm_start
 from moe_replay.rl.tasks import Task
-
-SMALL = {"num_hidden_layers": 2, "hidden_size": 32, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 8}
-
-
-@pytest.fixture(scope="module")
-def init(tmp_path_factory):
-    """A small warm-started policy shared by the tests."""
-    path = tmp_path_factory.mktemp("init")
-    model = build_policy(SMALL, seed=0)
-    warm_start(model, Task("addition", 2), steps=30, batch=64, seed=0)
-    model.save_pretrained(path)
-    return str(path)
-
-
-def config(tmp_path, init, **kw) -> TrainConfig:
-    base = dict(
-        output=str(tmp_path / "run"),
-        init=init,
-        task_size=2,
-        steps=3,
-        prompts=4,
-        group_size=4,
-        minibatches=2,
-        checkpoint_every=2,
-    )
-    return TrainConfig(**{**base, **kw})
 
 
 def steps_log(out) -> pd.DataFrame:
@@ -202,7 +177,7 @@ def test_an_init_warm_started_with_other_settings_is_refused_or_made_again(tmp_p
     """Found by review: an existing `init` was used whatever policy, seed or task the run asked for (a run's result
     then depended on which run made the shared init first). A shared one is refused naming the settings; a run's own
     (`<output>/init`) is warm-started again for a fresh start with other settings."""
-    kw = dict(task_size=2, steps=1, prompts=4, group_size=4, minibatches=2, policy=SMALL, warm_start_steps=3)
+    kw = dict(steps=1, policy=SMALL, warm_start_steps=3, **RUN)
     shared = str(tmp_path / "shared")
     train(TrainConfig(output=str(tmp_path / "a"), init=shared, **kw), progress=False)
     with pytest.raises(ValueError, match=r"init .*shared was warm-started with seed=0 \(now 1\)"):

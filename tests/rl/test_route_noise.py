@@ -9,7 +9,7 @@ import copy
 import pandas as pd
 import pytest
 import torch
-from test_rl_loop import SMALL, config, init  # noqa: F401 - the shared warm-started policy fixture
+from rl_utils import SMALL, config
 
 from moe_replay import expert_change, record_routes, teacher_forced_routes
 from moe_replay.rl.config import TrainConfig
@@ -75,7 +75,7 @@ def test_recorded_choices_are_the_noisy_ones_and_replay_removes_the_mismatch():
         assert torch.equal(recorded[:, :, layer].reshape(-1, idx.shape[-1]), idx.sort(-1).values)
 
 
-def test_the_loop_logs_the_mismatch_and_settings_are_checked(tmp_path, init):  # noqa: F811
+def test_the_loop_logs_the_mismatch_and_settings_are_checked(tmp_path, init):
     cfg = config(tmp_path, init, steps=1, rollout_selection_noise=0.3, replay="rollout", old_logprob_source="sampler")
     log = pd.read_csv(train(cfg, progress=False) / "steps.csv").iloc[0]
     assert log["mismatch/fraction"] > 0.05 and log["sampler/kl_k3"] < 1e-6  # R3 aligned the trainer

@@ -9,7 +9,7 @@ import glob
 import pandas as pd
 import pytest
 import torch
-from test_rl_loop import SMALL, config, init  # noqa: F401 - the shared warm-started policy fixture
+from rl_utils import RUN, SMALL, config
 
 from moe_replay.rl.config import TrainConfig, load_config
 from moe_replay.rl.loop import train
@@ -77,7 +77,7 @@ def test_off_policy_mask_drops_negative_advantage_answers_that_drifted():
     assert keep.flatten().tolist() == [1.0, 0.0, 1.0]  # the drifted positive-advantage answer is kept
 
 
-def test_fp8_sampler_mismatch_is_measured_and_logged(tmp_path, init):  # noqa: F811
+def test_fp8_sampler_mismatch_is_measured_and_logged(tmp_path, init):
     cfg = config(
         tmp_path,
         init,
@@ -105,7 +105,7 @@ def test_fp8_sampler_mismatch_is_measured_and_logged(tmp_path, init):  # noqa: F
     assert mismatch_metrics(same, same, torch.tensor([[True]]))["sampler/kl_k3"] == 0.0
 
 
-def test_heldout_prompts_never_train_and_evaluation_changes_nothing(tmp_path, init):  # noqa: F811
+def test_heldout_prompts_never_train_and_evaluation_changes_nothing(tmp_path, init):
     task = Task("addition", 1)  # 100 prompts: collisions would be frequent
     held, _ = task.heldout(20, seed=0)
     exclude = frozenset(tuple(p) for p in held.tolist())
@@ -123,7 +123,7 @@ def test_heldout_prompts_never_train_and_evaluation_changes_nothing(tmp_path, in
     pd.testing.assert_frame_equal(runs[0][common], runs[1][common])
 
 
-def test_new_settings_resume_to_the_same_log(tmp_path, init):  # noqa: F811
+def test_new_settings_resume_to_the_same_log(tmp_path, init):
     kw = dict(
         steps=4,
         rollout_dtype="float16",
@@ -149,19 +149,8 @@ def test_new_settings_resume_to_the_same_log(tmp_path, init):  # noqa: F811
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/grpo_sampler*.toml")))
-def test_every_sampler_config_runs(tmp_path, init, path):  # noqa: F811
-    cfg = load_config(
-        path,
-        output=str(tmp_path / "run"),
-        init=init,
-        steps=1,
-        task_size=2,
-        prompts=4,
-        group_size=4,
-        minibatches=2,
-        heldout_prompts=8,
-        eval_every=1,
-    )
+def test_every_sampler_config_runs(tmp_path, init, path):
+    cfg = load_config(path, output=str(tmp_path / "run"), init=init, steps=1, heldout_prompts=8, eval_every=1, **RUN)
     log = pd.read_csv(train(cfg, progress=False) / "steps.csv")
     assert len(log) == 1 and "eval/sampled/reward" in log and "sampler/kl_k3" in log
 

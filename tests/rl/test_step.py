@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 import torch
+from rl_utils import SMALL
 
 from moe_replay.rl import Rollout, Task, build_policy, minibatch_update, rollout
 
-SMALL = {"num_hidden_layers": 2, "hidden_size": 32, "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 8}
 TASK = Task("addition", 2)
 
 
