@@ -152,43 +152,44 @@ class InterceptMode(TorchFunctionMode):
         return dispatch(call, func, args, kwargs, self.in_router)
 
 
-def begin_call(hub: Any, i: int) -> RouterCall:
-    """Open a call of router `i` of `hub` (hub.py): which layer it is, which routes it must use, whether it is recorded.
+def begin_call(hub: Any, session: Any, i: int) -> RouterCall:
+    """Open a call of router `i` of `hub` (hub.py) in its `session` (session.py): which layer it is, which routes it
+    must use, whether it is recorded.
 
     Example:
-        >>> call = begin_call(hub, 0)  # doctest: +SKIP
+        >>> call = begin_call(hub, hub.session, 0)  # doctest: +SKIP
     """
     site = hub.sites[i]
     if in_backward():  # a checkpoint recompute: its plan is found when the router runs (`at_router`)
         return RouterCall(i, site, site.name, None, None, record=False, recompute=True)
-    step = hub.tracker.current
+    step = session.tracker.current
     if step is None:
         raise ReplayError(
             f"router {site.name!r} ran outside a forward of {type(hub.model).__name__}: call the model that was "
             "given to record_routes / replay_routes"
         )
-    name = hub.layer(i, step)
-    plan = hub.replayers[-1].plan(name, step) if hub.replayers else None
-    call = RouterCall(i, site, name, step, plan, record=bool(hub.recorders))
+    name = session.layer(i, step)
+    plan = session.replayers[-1].plan(name, step) if session.replayers else None
+    call = RouterCall(i, site, name, step, plan, record=bool(session.recorders))
     if site.router.training not in hub.facts[i].redirect:  # still to learn whether its top-k can be redirected
         call.topk_sites = []
     return call
 
 
-def end_call(hub: Any, call: RouterCall) -> None:
-    """Close a router call of `hub`: check its replay, learn facts about its router class, record its selection.
+def end_call(hub: Any, session: Any, call: RouterCall) -> None:
+    """Close a router call of `hub` in its `session`: check its replay, learn facts about its router class (kept by
+    the hub), record its selection (held by the session for the recorders).
 
     Example:
-        >>> end_call(hub, call)  # doctest: +SKIP
+        >>> end_call(hub, hub.session, call)  # doctest: +SKIP
     """
     i, router = call.index, call.site.router
     facts = hub.facts[i]
     if call.held is not None:  # recorded from the router's output
-        hub.taken.append((call.layer, *call.held, call.num_experts))
+        session.take((call.layer, *call.held, call.num_experts))
         return
     if not hub.router_only[i] and call.active:
-        facts.topk_in_router = not call.outside_router
-        hub.router_only[i] = facts.topk_in_router and not hub.general
+        hub.learned_topk_in_router(i, not call.outside_router)
     if call.topk_sites and hub.router_only[i] and router.training not in facts.redirect:
         # a redirected forward hands its torch.topk calls to the selectors: each must be one it may carry
         carried = bool(call.selectors) and all(s.carried_by_redirect for s in call.selectors)
@@ -204,4 +205,4 @@ def end_call(hub: Any, call: RouterCall) -> None:
         facts.output_index[router.training] = next(
             (j for j, o in enumerate(outputs(call.router_out)) if o is idx and kept), None
         )
-    hub.taken.append((call.layer, held, version, call.num_experts))
+    session.take((call.layer, held, version, call.num_experts))

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from ...errors import UnsupportedGenerationError
-from .steps import GENERATE_START
 
 
 def setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -111,39 +110,31 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
     owner = getattr(inner, "__self__", None)  # the module whose generate this is
 
     def generate(*args: Any, **kwargs: Any) -> Any:
+        session = hub.session
         model = hub.model if owner is None else owner
-        named = call_arguments(hub.tracker.positional(inner) if args else None, args, kwargs)
+        named = call_arguments(session.tracker.positional(inner) if args else None, args, kwargs)
         check_generation(model, args, named)
-        hub.synced = bool(setting(model, named, "synced_gpus", False))
-        if hub.generating:  # called by an outer generate
+        first = session.enter_generate(bool(setting(model, named, "synced_gpus", False)))
+        if first is None:  # called by an outer generate
             out = inner(*args, **kwargs)
-            if hub.generated is None:  # (the innermost returns first)
-                hub.generated = (model, named, args, out)
+            session.generated_by_inner((model, named, args, out))
             return out
-        first = hub.tracker.stream + 1
-        hub.tracker.cache = GENERATE_START
-        hub.generating += 1
-        hub.generated = None
         try:
             out = inner(*args, **kwargs)
         except BaseException:  # a generate that raised is not recorded (a retry after an OOM records the retry alone)
-            hub.drop_streams(first)
+            session.drop_streams(first)
             raise
         finally:
-            hub.generating -= 1
-            hub.synced = False
-            # let go of the generate's KV cache: the next generate may get it emptied, and a kept hub must not hold it
-            hub.tracker.cache = None
-            ran, hub.generated = hub.generated, None
+            ran = session.exit_generate()  # (lets go of its KV cache: a kept hub must not hold it)
         model, named, args, last = ran or (model, named, args, out)
         sequences = last if isinstance(last, torch.Tensor) else getattr(last, "sequences", None)
-        hub.hand_over()
+        session.hand_over()
         if isinstance(sequences, torch.Tensor):
-            streams = range(first, hub.tracker.stream + 1)
+            streams = range(first, session.tracker.stream + 1)
             eos, prompt_mask = eos_token_ids(model, named), named.get("attention_mask")
             ids = named.get("input_ids", named.get("inputs", args[0] if args else None))  # (out.sequences' start)
             prompt = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
-            for rec in hub.recorders:
+            for rec in session.recorders:
                 rec.on_generate(streams, sequences, eos, prompt_mask if torch.is_tensor(prompt_mask) else None, prompt)
         return out
 

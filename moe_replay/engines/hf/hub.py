@@ -1,5 +1,5 @@
-"""The hooks on one model, shared by every active record/replay context on it, and the state its router calls read
-(their wrapper is wrapper.py).
+"""The hooks on one model, shared by every active record/replay context on it, and what they learned about it (their
+wrapper is wrapper.py). What the open contexts share while they are open is the hub's `session` (session.py).
 
 Each outermost forward of the model is a `Step` (which positions it covers). Each router call opens a `RouterCall`
 (call.py) in whichever of the router and its MoE block runs first: it gets its layer name, the plan its replayer
@@ -10,10 +10,10 @@ A recording without replay, of a router class known to return its top-k indices,
 from the router's output.
 
 One hub per model holds the hooks for all active contexts, so that a recording nested in a replay sees the replayed
-experts; its hooks are removed with the last context, and the hub with them. Inside a `keep_warm` scope (warm.py) the
-hub (and the methods it patched) is kept with the model's layout for the next context, which re-installs the same
-wrappers while what they wrap is unchanged: a context per minibatch or log-prob chunk then costs a few dictionary
-writes, not a rebuild. A copied or saved model carries no hub.
+experts; the first context opens a session, the last one ends it and removes the hooks, and the hub with them.
+Inside a `keep_warm` scope (warm.py) the hub (and the methods it patched) is kept with the model's layout for the
+next context, which re-installs the same wrappers while what they wrap is unchanged: a context per minibatch or
+log-prob chunk then costs a few dictionary writes, not a rebuild. A copied or saved model carries no hub.
 """
 
 from __future__ import annotations
@@ -25,18 +25,17 @@ from torch import nn
 
 from ...errors import ForeignThreadError, NestedContextError, ReplayError
 from .adapters import refuse_idle
-from .call import Recorder, Replayer, RouterCall
+from .call import Recorder, Replayer
 from .discover import RouterSite
-from .facts import RouterFacts, Unchanged, facts_for, runs_class_methods, stale, watched
+from .facts import RouterFacts, Unchanged, facts_for, stale, watched
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, forgotten, patched_by
 from .paths import general_path
-from .recompute import recompute_queue
 from .redirect import Redirects
 from .rules import selectors_for
-from .steps import Step, StepTracker, step_wrapper
-from .stream import Taken
+from .session import Session
+from .steps import step_wrapper
 from .warm import ATTR, Warm, warm_state
 from .wrapper import router_wrapper
 
@@ -57,9 +56,6 @@ class RouterHub:
         self._patches = Patches(owner=self)
         self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
         self._watch: tuple[Unchanged, dict] | None = None  # what `watched` read and returned at the last install
-        # plans of forwards whose router calls the backward will recompute (activation checkpointing), per router
-        self.pending = [recompute_queue(s.name) for s in self.sites]
-        self.queued = False  # whether any call was queued in `pending` since it was made (recompute.py)
         # what was learned about each router's class, and which routers intercept in the router alone: looked up by
         # `_install` whenever the patches are not set again exactly as they were
         self.facts: list[RouterFacts] = []
@@ -71,28 +67,7 @@ class RouterHub:
         self.record_from: list[dict[bool, int | None] | None] = [None] * len(self.sites)
         self._reading = False  # whether `record_from` is set
         self.then_undo: list[Patches] = []  # a `keep_warm` scope closed before the contexts: undone after the last
-        self._reset()
-
-    def _reset(self) -> None:
-        """The state of one stretch of open contexts: a kept hub starts each one afresh (its facts are `_install`'s)."""
-        self.tracker = StepTracker(self._signatures)
-        self.thread = threading.get_ident()  # the thread whose contexts are open: the only one that may open more
-        self.recorders: list[Recorder] = []
-        self.replayers: list[Replayer] = []
-        self._record_from_outputs(False)
-        if self.queued:  # (each context drops its calls as it closes: made afresh all the same)
-            self.pending, self.queued = [recompute_queue(s.name) for s in self.sites], False
-        self.occurrence: list[Step | None] = [None] * len(self.sites)  # the step each router last ran in
-        self._repeats: list[tuple[Step | None, int]] = [(None, 0)] * len(self.sites)  # run again in it (`layer`)
-        self.calls: list[RouterCall | None] = [None] * len(self.sites)
-        self.in_router = [0] * len(self.sites)  # router forwards on the stack, per router
-        self.own_methods: list[bool | None] = [None] * len(self.sites)  # `reads_output`, once asked
-        self.taken: list[Taken] = []  # recorded router calls of the running step
-        self.held: list[tuple[Step, list[Taken]]] = []  # steps that returned, not yet handed over (`step_wrapper`)
-        self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
-        self.generating = 0  # generate calls on the stack (generation.py)
-        self.generated: tuple | None = None  # what the innermost of nested generate calls ran with and returned
-        self.synced = False  # inside generate(synced_gpus=True): forwards past the routes may be dummies
+        self.session: Session | None = None  # the open contexts' state (session.py): None while none is open
 
     def __deepcopy__(self, memo: dict) -> None:
         return None  # a copied model (its layout, with this hub kept in it) makes its own
@@ -103,7 +78,8 @@ class RouterHub:
     # ---- lifetime ------------------------------------------------------------------------------------------
     @classmethod
     def attach(cls, model: nn.Module, handler: Recorder | Replayer, *, replay: bool) -> RouterHub:
-        """The model's hub (installed on first use), with `handler` added as a recorder or a replayer."""
+        """The model's hub (installed, with a new session, as its first context opens), with `handler` added to its
+        session as a recorder or a replayer."""
         hub = model.__dict__.get(MARKER)
         if hub is not None and (hub.model is not model or not len(hub._patches)):
             drop_stale(model, hub)  # left on a shallow copy (copy.copy) of a hooked model
@@ -112,16 +88,17 @@ class RouterHub:
             warm = warm_state(model)
             layout = model_layout(model, warm)
             hub = layout.kept.get("hub")
-            if isinstance(hub, cls) and hub.model is model:
-                hub._reset()
-            else:
+            if not isinstance(hub, cls) or hub.model is not model:
                 hub = layout.kept["hub"] = cls(model, layout, warm)
+            hub._record_from_outputs(False)
+            hub.session = Session([s.name for s in hub.sites], hub._signatures)
             try:
                 hub._install()
             except BaseException:
                 hub._patches.undo()
+                hub.session = None
                 raise
-        elif hub.thread != threading.get_ident():
+        elif hub.session.thread != threading.get_ident():
             raise ForeignThreadError(
                 f"a context cannot open on {type(model).__name__} in this thread while contexts opened in another "
                 "thread are open on it: open and use a model's contexts in one thread"
@@ -135,39 +112,38 @@ class RouterHub:
                     "hooked; patch the model before opening its contexts (or between them)"
                 )
         hub.redirects.refresh()  # (the module of a router's forward may have been patched since it was copied)
-        if hub.held:
-            hub.hand_over()  # what ran before belongs to the contexts open then
-        (hub.replayers if replay else hub.recorders).append(handler)
-        hub._record_from_outputs(not hub.replayers)
-        hub.lane_step = None
+        hub.session.add(handler, replay=replay)
+        hub._record_from_outputs(not hub.session.replayers)
         return hub
 
     def detach(self, handler: Recorder | Replayer) -> None:
-        """Remove `handler`; the last one out removes every hook and the hub itself."""
+        """Remove `handler`; the last one out ends the session and removes every hook (and the hub, unless a
+        `keep_warm` scope keeps it)."""
+        session = self.session
         try:
-            if self.held:
-                self.hand_over()  # (a recorder's error on the held steps still lets the handler go)
+            if session.held:
+                session.hand_over()  # (a recorder's error on the held steps still lets the handler go)
         finally:
-            for group in (self.recorders, self.replayers):
-                for h in group:
-                    if h is handler:
-                        group[:] = [h for h in group if h is not handler]
-                        break
-            self.lane_step = None
-            for queue in self.pending if self.queued else ():
-                if queue.items or queue.done:
-                    queue.drop(handler)
-            if not self.recorders and not self.replayers:
-                self._patches.undo()
-                for patches in self.then_undo:
-                    patches.undo()
-                    patches.close()
-                self.then_undo = []
-                if self.model.__dict__.get(ATTR) is not self.warm:  # no scope keeps it: it goes with this hub
-                    self.warm.drop()
-                    self.release()
+            if session.remove(handler):
+                self._end_session()
             else:
-                self._record_from_outputs(not self.replayers)
+                self._record_from_outputs(not session.replayers)
+
+    def _end_session(self) -> None:
+        """The last context closed: drop the session and every hook (and the hub, unless a scope keeps it)."""
+        self.session = None
+        self._patches.undo()
+        for patches in self.then_undo:
+            patches.undo()
+            patches.close()
+        self.then_undo = []
+        if self.model.__dict__.get(ATTR) is not self.warm:  # no scope keeps it: it goes with this hub
+            self.warm.drop()
+            self.release()
+
+    def undo_after(self, patches: Patches) -> None:
+        """Undo `patches` (a `keep_warm` scope's, closed while this hub's contexts are open) after the last context."""
+        self.then_undo.append(patches)
 
     def release(self) -> None:
         """Break the references between this hub and its wrappers once nothing keeps it (its last context closed
@@ -183,24 +159,14 @@ class RouterHub:
             return  # (the patches, and so which blocks are wrapped, do not change while a context is open)
         self._reading, table, unwrapped = on, self.record_from, self._installed
         for i, facts in enumerate(self.facts):
-            table[i] = facts.output_index if on and unwrapped and unwrapped[i] and self.reads_output(i) else None
+            read = on and unwrapped and unwrapped[i] and self.session.reads_output(i, self.sites[i].router)
+            table[i] = facts.output_index if read else None
 
-    def reads_output(self, i: int) -> bool:
-        """Whether router `i` runs its class's own methods, whose facts say where its output holds its top-k's
-        indices (facts.py): a router running others is never read from its output (asked once per stretch of open
-        contexts)."""
-        own = self.own_methods[i]
-        if own is None:
-            own = self.own_methods[i] = runs_class_methods(self.sites[i].router)
-        return own
-
-    def pending_for(self, handler: Replayer) -> int:
-        """Replayed router calls still waiting for their recompute in the backward."""
-        n = 0
-        for queue in self.pending if self.queued else ():
-            if queue.items:
-                n += queue.waiting(handler)
-        return n
+    def learned_topk_in_router(self, i: int, inside: bool) -> None:
+        """What a call of router `i` showed (call.py): whether every top-k of its class runs inside the router, so
+        that its MoE block needs no wrapper (from the next install on)."""
+        self.facts[i].topk_in_router = inside
+        self.router_only[i] = inside and not self.general
 
     def _install(self) -> None:
         general = general_path()  # (MOE_REPLAY_PATH=general: every MoE block wrapped, no fact acted on; paths.py)
@@ -249,30 +215,6 @@ class RouterHub:
             patch(router, "forward", partial(refuse_idle, layer))
         self._installed = wrapped
 
-    # ---- one router call -----------------------------------------------------------------------------------
-    def layer(self, i: int, step: Step) -> str:
-        """Router `i`'s layer name in `step` (run again in the same forward, by looped layers, it is another layer)."""
-        if self.occurrence[i] is not step:
-            self.occurrence[i] = step
-            return self.sites[i].name
-        last, n = self._repeats[i]
-        n = n + 1 if last is step else 1
-        self._repeats[i] = (step, n)
-        return f"{self.sites[i].name}#{n}"
-
-    def drop_streams(self, first: int) -> None:
-        """Forget what the recorders hold, or the hub still holds for them, of streams `first` and after."""
-        self.held = [(step, taken) for step, taken in self.held if step.stream < first]
-        for rec in self.recorders:
-            rec.drop_streams(first)
-
-    def hand_over(self) -> None:
-        """Give the recorders the router calls of the steps held since the last hand-over, in order."""
-        held, self.held = self.held, []
-        for step, taken in held:
-            for rec in self.recorders:
-                rec.record_step(step, taken)
-
 
 def open_contexts(model: nn.Module) -> tuple[int, int]:
     """How many `record_routes` and `replay_routes` contexts are open on `model`, or on a module that wraps it (their
@@ -285,5 +227,5 @@ def open_contexts(model: nn.Module) -> tuple[int, int]:
     for module in model.modules():
         hub = patched_by(module.__dict__.get("forward"))
         if isinstance(hub, RouterHub):
-            return len(hub.recorders), len(hub.replayers)
+            return len(hub.session.recorders), len(hub.session.replayers)
     return 0, 0

@@ -21,34 +21,35 @@ from .selectors import forced_topk, replaces, topk_args, topk_calls
 from .steps import Step
 
 
-def lane_ready(hub: Any, step: Step) -> bool:
-    """Whether a replayed router call of `hub` (hub.py) in `step` has, as far as the step goes, nothing to do but its
-    redirected top-k: no live picks to count and no recompute to queue for. A step run without grad and outside any
-    checkpoint stays ready to its end: it is kept as `hub.lane_step`, so the next calls skip these checks. (The caller
+def lane_ready(session: Any, step: Step) -> bool:
+    """Whether a replayed router call of `session` (session.py) in `step` has, as far as the step goes, nothing to do
+    but its redirected top-k: no live picks to count and no recompute to queue for. A step run without grad and
+    outside any checkpoint stays ready to its end: it is kept as `session.lane_step`, so the next calls skip these
+    checks. (The caller
     checks the rest per call: no recorder, not in a backward, a router with one redirected top-k.)
 
     Example:
-        >>> lane_ready(hub, hub.tracker.current)  # doctest: +SKIP
+        >>> lane_ready(session, session.tracker.current)  # doctest: +SKIP
         True
     """
-    if hub.replayers[-1].track_live or will_be_recomputed(step):
+    if session.replayers[-1].track_live or will_be_recomputed(step):
         return False
     if step.grad is False:  # (set by will_be_recomputed): no router call of this step is recomputed
-        hub.lane_step = step
+        session.keep_lane(step)
     return True
 
 
-def lane_path(w: Any, step: Step, args: tuple, kwargs: dict) -> Any:
-    """LANE (paths.py): the replayed call of router `w` (wrapper.Wrapped) in `step`. Runs the router's redirected
-    forward with its selecting top-k forced to the call's plan and returns its output; raises `ReplayError` unless the
-    plan decided the call's experts. In a dummy forward past the routes (`generate(synced_gpus=True)`), routes live.
+def lane_path(w: Any, session: Any, step: Step, args: tuple, kwargs: dict) -> Any:
+    """LANE (paths.py): the replayed call of router `w` (wrapper.Wrapped) in `step` of `session`. Runs the router's
+    redirected forward with its selecting top-k forced to the call's plan and returns its output; raises `ReplayError`
+    unless the plan decided the call's experts. In a dummy forward past the routes (`generate(synced_gpus=True)`),
+    routes live.
 
     Example:
-        >>> out = lane_path(w, hub.tracker.current, (hidden_states,), {})  # doctest: +SKIP
+        >>> out = lane_path(w, hub.session, step, (hidden_states,), {})  # doctest: +SKIP
     """
-    hub = w.hub
-    layer = hub.layer(w.i, step)
-    plan = hub.replayers[-1].plan(layer, step)
+    layer = session.layer(w.i, step)
+    plan = session.replayers[-1].plan(layer, step)
     if plan is None:
         return w.inner(*args, **kwargs)
     tokens = step.tokens

@@ -26,8 +26,8 @@ takes CALL). `in_call` then decides, for each of the two wrappers that runs insi
 
 `MOE_REPLAY_PATH=general` (read when an outermost context installs its hooks) wraps every MoE block and takes none of
 READ, LANE, HOLD and REDIRECT: every call runs under the `TorchFunctionMode`, the path that needs no learned fact (the
-tests run the families both ways). What these rows read is set by the hub (hub.py) and learned in end_call (call.py);
-the paths themselves test none of it again.
+tests run the families both ways). What these rows read is set by the hub (hub.py) and its session (session.py), and
+learned in end_call (call.py); the paths themselves test none of it again.
 """
 
 from __future__ import annotations
@@ -61,41 +61,42 @@ def general_path() -> bool:
     return value == "general"
 
 
-def before_call(hub: Any, i: int, router: nn.Module, step: Step | None, redirectable: bool) -> str:
-    """The path of a forward of router `i` of `hub` (hub.py) in `step`: READ, LANE or CALL (the first table above).
+def before_call(hub: Any, session: Any, i: int, router: nn.Module, step: Step | None, redirectable: bool) -> str:
+    """The path of a forward of router `i` of `hub` (hub.py) in `step` of its `session` (session.py): READ, LANE or
+    CALL (the first table above).
     `redirectable`: the hub has a redirected copy of the router's forward (redirect.py).
 
     Example:
-        >>> before_call(hub, 0, router, hub.tracker.current, True)  # doctest: +SKIP
+        >>> before_call(hub, hub.session, 0, router, hub.session.tracker.current, True)  # doctest: +SKIP
         'lane'
     """
-    if step is None or hub.calls[i] is not None or _graph_task() != -1:
+    if step is None or session.calls[i] is not None or _graph_task() != -1:
         return CALL
     index = hub.record_from[i]  # (None unless the open contexts only record and the block runs unwrapped)
     if index is not None:
         return CALL if index.get(router.training) is None else READ
     if (  # (the hooks are set only while a context is open: no recorder means a replayer)
         redirectable
-        and not hub.recorders
+        and not session.recorders
         and hub.router_only[i]
         and hub.facts[i].redirect.get(router.training, 0) == 1
-        and (step is hub.lane_step or lane_ready(hub, step))
+        and (step is session.lane_step or lane_ready(session, step))
     ):
         return LANE
     return CALL
 
 
-def in_call(hub: Any, call: Any, router: nn.Module, is_router: bool, redirectable: bool) -> str:
+def in_call(hub: Any, session: Any, call: Any, router: nn.Module, is_router: bool, redirectable: bool) -> str:
     """The path of the router's forward (`is_router`) or its MoE block's inside `call` (call.py): HOLD, AS_IS,
     REDIRECT or MODE (the second table above). `redirectable` as for `before_call`.
 
     Example:
-        >>> in_call(hub, call, router, True, True)  # doctest: +SKIP
+        >>> in_call(hub, hub.session, call, router, True, True)  # doctest: +SKIP
         'redirect'
     """
     i = call.index
     alone = hub.router_only[i]  # (False throughout under MOE_REPLAY_PATH=general)
-    if is_router and alone and call.plan is None and not call.recompute and hub.reads_output(i):
+    if is_router and alone and call.plan is None and not call.recompute and session.reads_output(i, router):
         if hub.facts[i].output_index.get(router.training) is not None:
             return HOLD
     if call.intercepting or (alone and not is_router):

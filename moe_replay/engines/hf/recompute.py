@@ -55,20 +55,21 @@ def recompute_queue(router: str) -> RecomputeQueue:
     return RecomputeQueue(router, same_plan)
 
 
-def at_router(hub: Any, call: RouterCall, args: tuple, kwargs: dict) -> None:
+def at_router(hub: Any, session: Any, call: RouterCall, args: tuple, kwargs: dict) -> None:
     """On entering the router module of `call` (inside any checkpoint around its layer): queue a replayed call that the
-    backward will recompute in `hub.pending` (hub.py), or give a recompute the plan of the forward it re-runs.
+    backward will recompute in its router's queue of `session` (session.py), or give a recompute the plan of the
+    forward it re-runs.
 
     Example:
-        >>> at_router(hub, call, (hidden_states,), {})  # doctest: +SKIP
+        >>> at_router(hub, hub.session, call, (hidden_states,), {})  # doctest: +SKIP
     """
-    queue = hub.pending[call.index]
+    queue = session.recompute_queue(call.index)
     if call.recompute:
         queued = queue.take(fingerprint(args, kwargs), recomputing())
         if queued is not None:
             call.layer, call.step, call.plan = queued.layer, queued.step, queued.routes
             call.selectors = [make(call) for make in hub.selectors[call.index]]
-        elif hub.replayers:  # the forward was replayed but not seen to be checkpointed: never route it live
+        elif session.replayers:  # the forward was replayed but not seen to be checkpointed: never route it live
             raise ReplayError(
                 f"router {call.layer!r} is recomputed in the backward but no replayed forward awaits it: a "
                 "checkpoint moe-replay did not recognise (other saved-tensor hooks inside it?), or a forward run "
@@ -76,7 +77,6 @@ def at_router(hub: Any, call: RouterCall, args: tuple, kwargs: dict) -> None:
             )
     elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
         queued = Pending(
-            call.plan, fingerprint(args, kwargs), checkpoint_chain(), hub.replayers[-1], call.step, call.layer
+            call.plan, fingerprint(args, kwargs), checkpoint_chain(), session.replayers[-1], call.step, call.layer
         )
         queue.add(queued)
-        hub.queued = True

@@ -97,7 +97,7 @@ class RouteRecorder:
     def batches(self) -> list[Routes]:
         """One `Routes` per recorded batch (each `generate` call or plain forward starts one)."""
         if self._hub is not None:  # read inside the context: the steps the hub still holds first
-            self._hub.hand_over()
+            self._hub.session.hand_over()
         return [self._build(s) for _, s in sorted(self._streams.items())]
 
     @property

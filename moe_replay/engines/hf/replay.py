@@ -115,7 +115,7 @@ class RouteReplayer:
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         if self._hub is None:
             return
-        waiting = self._hub.pending_for(self)
+        waiting = self._hub.session.waiting(self)
         self._hub.detach(self)
         self._hub = self._last = self._span = None  # (the plans of a kept span point back at this replayer)
         if exc_type is not None:

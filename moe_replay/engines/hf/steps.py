@@ -16,7 +16,7 @@ import torch
 from ...errors import ForeignThreadError, UnsupportedGenerationError
 from ..autograd import in_backward, inside_reentrant_checkpoint
 
-HAND_OVER = 32  # decode steps of a generate held before the recorders take them (`step_wrapper`)
+HAND_OVER = 32  # decode steps of a generate held before the recorders take them (`Session.step_ended`)
 GENERATE_START = object()  # `StepTracker.cache` as a generate begins, before its first step
 
 
@@ -260,7 +260,8 @@ def _bind(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
-    """A tracked model's `forward`, wrapped by `hub` (hub.py): its outermost call is a step of `hub.tracker`.
+    """A tracked model's `forward`, wrapped by `hub` (hub.py): its outermost call is a step of its session's tracker
+    (session.py).
 
     Example:
         >>> model.forward = step_wrapper(hub, model.forward)  # doctest: +SKIP
@@ -269,7 +270,8 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
     thread = threading.get_ident
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        tracker = hub.tracker
+        session = hub.session
+        tracker = session.tracker
         if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
             if tracker.depth and thread() != tracker.thread and not in_backward():  # (autograd's threads recompute)
                 raise ForeignThreadError(
@@ -278,29 +280,22 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
                     "model in one thread at a time"
                 )
             return inner(*args, **kwargs)
-        step = tracker.begin(inner, args, kwargs, hub.generating > 0)
+        step = tracker.begin(inner, args, kwargs, session.generating > 0)
         tracker.thread = thread()
-        step.synced = hub.synced
-        if step.grad is None and hub.replayers:  # began without grad: a checkpoint around the model recomputes it
+        step.synced = session.synced
+        if step.grad is None and session.replayers:  # began without grad: a checkpoint around the model recomputes it
             step.grad = inside_reentrant_checkpoint()  # (the stack above the model, walked once per forward)
         tracker.depth += 1
         try:
             out = inner(*args, **kwargs)
         except BaseException:
-            for queue in hub.pending:  # a forward that raised is never backwarded
-                queue.drop(step=step)
-            hub.taken.clear()  # nor recorded
-            raise
-        finally:
             tracker.depth -= 1
-            tracker.current = hub.lane_step = None
+            session.step_failed(step)  # never backwarded, nor recorded
+            raise
+        tracker.depth -= 1
         if tracker.cache is None:  # the cache a forward made is its stream's too (`out.cache` fed back)
             tracker.own(output_cache(out))
-        if hub.taken:  # the recorders take the step's router calls, a generate's decode steps `HAND_OVER` at a time
-            hub.held.append((step, hub.taken))
-            hub.taken = []
-            if len(hub.held) >= HAND_OVER or step.length != 1 or not extends_generation(step):
-                hub.hand_over()
+        session.step_ended(step)  # the recorders take its router calls, a generate's decode steps a few at a time
         return out
 
     return forward

@@ -90,7 +90,7 @@ class KeepWarm:
             return
         hub = self.model.__dict__.get(MARKER)
         if hub is not None:  # a context opened inside is still open (an ExitStack closing out of order): its hub
-            hub.then_undo.append(patches)  # drops the scope's state after its own hooks, as the last one closes
+            hub.undo_after(patches)  # drops the scope's state after its own hooks, as the last one closes
         else:
             patches.undo()
             patches.close()

@@ -1,6 +1,7 @@
 """The wrappers of a router's forward and of its MoE block's: the hot path of every router call. Each call asks the
 table in paths.py which path it takes and runs it: READ (`read_output`, here), LANE (`lane.lane_path`) or CALL
-(`call_path`, here: one `RouterCall` with its HOLD, AS_IS, REDIRECT or MODE path). hub.py holds the state they read.
+(`call_path`, here: one `RouterCall` with its HOLD, AS_IS, REDIRECT or MODE path). They read the model's facts in the
+hub (hub.py) and the open contexts' state in its session (session.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from .lane import lane_path
 from .paths import AS_IS, HOLD, LANE, MODE, READ, REDIRECT, before_call, in_call
 from .recompute import at_router
 from .redirect import run_redirected
+from .session import Session
 from .steps import Step
 from .stream import hold
 
@@ -51,28 +53,28 @@ def router_wrapper(hub: Any, i: int, inner: Callable[..., Any], logits_index: in
     router, redirectable = w.router, w.own_copy is not None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        step = hub.tracker.current
-        path = before_call(hub, i, router, step, redirectable)
+        session = hub.session
+        step = session.tracker.current
+        path = before_call(hub, session, i, router, step, redirectable)
         if path is READ:
-            return read_output(w, step, args, kwargs)
+            return read_output(w, session, step, args, kwargs)
         if path is LANE:
-            return lane_path(w, step, args, kwargs)
+            return lane_path(w, session, step, args, kwargs)
         return call_path(w, args, kwargs)
 
     return forward
 
 
-def read_output(w: Wrapped, step: Step, args: tuple, kwargs: dict) -> Any:
+def read_output(w: Wrapped, session: Session, step: Step, args: tuple, kwargs: dict) -> Any:
     """READ: run the router as it is and record the top-k indices its output holds (no call, no interception).
 
     Example:
-        >>> out = read_output(w, hub.tracker.current, (hidden_states,), {})  # doctest: +SKIP
+        >>> out = read_output(w, hub.session, step, (hidden_states,), {})  # doctest: +SKIP
     """
-    hub = w.hub
     out = w.inner(*args, **kwargs)
     found = out if type(out) is tuple else outputs(out)
-    indices = found[hub.record_from[w.i][w.router.training]]
-    hub.taken.append((hub.layer(w.i, step), *hold(indices), found[w.logits_index].shape[-1]))
+    indices = found[w.hub.record_from[w.i][w.router.training]]
+    session.take((session.layer(w.i, step), *hold(indices), found[w.logits_index].shape[-1]))
     return out
 
 
@@ -84,21 +86,22 @@ def call_path(w: Wrapped, args: tuple, kwargs: dict) -> Any:
         >>> out = call_path(w, (hidden_states,), {})  # doctest: +SKIP
     """
     hub, i, router = w.hub, w.i, w.router
+    session = hub.session
     is_router = w.logits_index is not None
-    call = hub.calls[i]
+    call = session.calls[i]
     opened = call is None
     if opened:
-        call = hub.calls[i] = begin_call(hub, i)
+        call = session.calls[i] = begin_call(hub, session, i)
     if is_router and not call.at_router:
         call.at_router = True
-        at_router(hub, call, args, kwargs)
-    path = in_call(hub, call, router, is_router, w.own_copy is not None)
+        at_router(hub, session, call, args, kwargs)
+    path = in_call(hub, session, call, router, is_router, w.own_copy is not None)
     intercept = path is REDIRECT or path is MODE
     if intercept and not call.selectors:  # made only for a call that intercepts
         # (a router whose one top-k over each token's scores is redirected needs its catch-all selector alone)
         one = path is REDIRECT and hub.facts[i].redirect.get(router.training) == 1
         call.selectors = [make(call) for make in hub.selectors[i] if make.catch_all or not one]
-    hub.in_router[i] += is_router
+    session.in_router[i] += is_router
     try:
         if path is HOLD or path is AS_IS:
             out = w.inner(*args, **kwargs)
@@ -107,7 +110,7 @@ def call_path(w: Wrapped, args: tuple, kwargs: dict) -> Any:
             out = run_redirected(w.own_copy, call.redirected_topk, router, args, kwargs)
         else:
             call.intercepting = True
-            with InterceptMode(call, lambda: hub.in_router[i] > 0):
+            with InterceptMode(call, lambda: session.in_router[i] > 0):
                 out = w.inner(*args, **kwargs)
         if is_router:
             call.num_experts = num_scores(out, w.logits_index)
@@ -115,14 +118,14 @@ def call_path(w: Wrapped, args: tuple, kwargs: dict) -> Any:
             if path is HOLD and call.record:  # held as the router returns them (an edit after it is caught)
                 call.held = hold(outputs(out)[hub.facts[i].output_index[router.training]])
     finally:
-        hub.in_router[i] -= is_router
+        session.in_router[i] -= is_router
         if intercept:
             call.intercepting = False
         if opened:
-            hub.calls[i] = None
+            session.calls[i] = None
     if opened:
         try:
-            end_call(hub, call)
+            end_call(hub, session, call)
         finally:  # its selectors point back at the call: unlinked, both are freed now, not by the collector
             call.selectors = []
     return out

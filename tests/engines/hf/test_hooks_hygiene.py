@@ -62,8 +62,8 @@ def test_a_recorder_error_on_held_steps_at_exit_still_removes_every_hook(qwen, m
     """Decode steps still held when the context closes are handed over there: a recorder's error on them, raised
     there, leaves no hook behind. (A `generate` that raised drops its steps: kept here, as if it had not, to have
     steps held at the exit.)"""
-    from moe_replay.engines.hf.hub import RouterHub
     from moe_replay.engines.hf.record import RouteRecorder
+    from moe_replay.engines.hf.session import Session
 
     def refuse(self, step, taken):  # noqa: ANN001, ANN202
         if step.start > 0:
@@ -86,7 +86,7 @@ def test_a_recorder_error_on_held_steps_at_exit_still_removes_every_hook(qwen, m
         qwen.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD, streamer=Stop())
     assert rec.batches == [] and hook_count(qwen) == 0 and "_moe_replay_hub" not in qwen.__dict__
     monkeypatch.setattr(RouteRecorder, "record_step", refuse)
-    monkeypatch.setattr(RouterHub, "drop_streams", lambda self, first: None)
+    monkeypatch.setattr(Session, "drop_streams", lambda self, first: None)
     with pytest.raises(ValueError, match="refused decode step"), torch.no_grad(), record_routes(qwen):
         qwen.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD, streamer=Stop())
     assert hook_count(qwen) == 0 and "_moe_replay_hub" not in qwen.__dict__

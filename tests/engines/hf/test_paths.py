@@ -25,8 +25,8 @@ def taken(monkeypatch):  # noqa: ANN001, ANN201
         seen.append(before(*args))
         return seen[-1]
 
-    def spy_in(hub, call, router, is_router, redirectable):  # noqa: ANN001, ANN202
-        path = inside(hub, call, router, is_router, redirectable)
+    def spy_in(hub, session, call, router, is_router, redirectable):  # noqa: ANN001, ANN202
+        path = inside(hub, session, call, router, is_router, redirectable)
         seen.append(f"{'router' if is_router else 'block'}:{path}")
         return path
 

@@ -33,13 +33,13 @@ def router_grads(model, ids, mask, routes) -> list[torch.Tensor]:  # noqa: ANN00
 
 
 def queues_empty(model) -> bool:  # noqa: ANN001
-    """Whether no call waits for its recompute in the hub of the open contexts, or else in the one the `keep_warm`
-    scope open on the model keeps for the next context."""
+    """Whether no call waits for its recompute in the session of the open contexts, or else whether the hub the
+    `keep_warm` scope open on the model keeps for the next context holds no session (with its queues) at all."""
     hub = model.__dict__.get(MARKER)
     if hub is None:
         with keep_warm(model) as scope:
-            hub = scope.warm.layout.kept["hub"]
-    return all(queue.empty for queue in hub.pending)
+            return scope.warm.layout.kept["hub"].session is None
+    return all(queue.empty for queue in hub.session.pending or ())
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

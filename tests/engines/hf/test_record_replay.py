@@ -223,7 +223,7 @@ def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_
     warm(qwen)  # (what the first context learns is kept for the next ones)
     opened = []
     begin = wrapper_module.begin_call
-    monkeypatch.setattr(wrapper_module, "begin_call", lambda hub, i: opened.append(i) or begin(hub, i))
+    monkeypatch.setattr(wrapper_module, "begin_call", lambda hub, s, i: opened.append(i) or begin(hub, s, i))
     ids, mask = left_padded(3, 6, [0, 2, 1])
     with record_routes(qwen) as rec:  # (the router class's facts are learned here)
         qwen(ids, attention_mask=mask)
