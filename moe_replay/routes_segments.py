@@ -140,6 +140,8 @@ def _check(seg: Segment, s: int, segments: list[Segment], B: int) -> None:
             f"segment {s}: routes are B={seg.routes.batch_size}, T={seg.routes.seq_len} and its attention_mask "
             f"{tuple(seg.attention_mask.shape)}, but the assembled batch has B={B} conversations"
         )
+    if isinstance(seg.version, bool) or not isinstance(seg.version, int) or seg.version < 0:
+        raise ValueError(f"segment {s}: version must be an int >= 0 (a policy version), got {seg.version!r}")
     if s and seg.version < segments[s - 1].version:
         raise ValueError(
             f"segment {s} has version {seg.version} after segment {s - 1}'s {segments[s - 1].version}: versions "
@@ -157,8 +159,9 @@ def fresh(routes: Routes, current: int, max_age: int) -> Routes:
     """
     if routes.version is None:
         raise ValueError("fresh needs routes with versions (assemble_routes gives them); these have none")
-    if not (isinstance(max_age, int) and max_age >= 0):
-        raise ValueError(f"max_age must be an int >= 0, got {max_age!r}")
+    for name, value in (("current", current), ("max_age", max_age)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     ahead = routes.mask & (routes.version > current)
     if ahead.any():
         b, t = (int(x) for x in ahead.nonzero()[0])

@@ -159,7 +159,10 @@ def check_ranges(cfg: TrainConfig) -> None:
         _positive(key, getattr(cfg, key))
     if not 0 <= cfg.rollout_selection_noise < math.inf:
         raise ValueError(f"rollout_selection_noise must be a finite std >= 0, got {cfg.rollout_selection_noise}")
-    if cfg.replay_max_age is not None and (cfg.replay == "off" or cfg.replay_max_age < 1):
+    age = cfg.replay_max_age
+    if age is not None and (isinstance(age, bool) or not isinstance(age, int)):
+        raise ValueError(f"replay_max_age must be an int (minibatch updates) or None, got {age!r}")
+    if age is not None and (cfg.replay == "off" or age < 1):
         raise ValueError(f"replay_max_age={cfg.replay_max_age} needs replay on and >= 1 (got replay={cfg.replay!r})")
     family = cfg.policy.get("model_type", "qwen3_moe")
     if cfg.rollout_selection_noise and family != "qwen3_moe":

@@ -75,3 +75,6 @@ def test_replay_max_age_routes_later_minibatches_live(tmp_path, init):
     assert "replay_bias/kl_k3" not in pd.read_csv(live / "minibatches.csv")
     with pytest.raises(ValueError, match="replay_max_age=1 needs replay on"):
         TrainConfig(replay_max_age=1)
+    for bad in (1.5, "2", True):
+        with pytest.raises(ValueError, match="replay_max_age must be an int"):
+            TrainConfig(replay="rollout", replay_max_age=bad)

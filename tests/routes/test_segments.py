@@ -77,6 +77,54 @@ def test_a_two_turn_agent_loop_replays_to_the_sampler_log_probs():
         torch.testing.assert_close(replayed[i, -3:], logp2[i], rtol=0, atol=1e-5)
 
 
+def test_a_conversation_over_one_kept_cache_is_one_batch_whose_replay_gives_the_sampler_log_probs():
+    """Turn 1, tool tokens, turn 2, each `generate` continuing the KV cache the turn before left, inside one context:
+    one batch spanning turn 2's out.sequences, every position routed once (by the forward that put it in the cache),
+    turn 1's positions as turn 1 alone recorded them; replaying it gives the sampler's log-probs at every sampled
+    token (fp32), and a turn that raises drops the conversation (its cache holds that turn's steps too)."""
+    from transformers import DynamicCache
+
+    model = tiny_qwen3_moe(0).eval()
+    ids, mask = _left_pad([torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 3)])
+    kw = dict(do_sample=True, output_logits=True, return_dict_in_generate=True, pad_token_id=PAD)
+    cache, logps, env = DynamicCache(), [], torch.tensor([[7, 8, 9], [11, 12, 13]])
+
+    def turn(ids, mask, new, seed):  # noqa: ANN001, ANN202
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new,
+                             min_new_tokens=new, **kw)  # fmt: skip
+        sampled = out.sequences[:, ids.shape[1] :]
+        logps.append(torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, sampled[..., None])[..., 0])
+        return out.sequences, torch.cat([mask, torch.ones_like(sampled)], 1)
+
+    with torch.no_grad(), record_routes(model) as rec:
+        seq1, mask1 = turn(ids, mask, 4, seed=1)
+        turn1 = rec.routes
+        seq2, mask2 = turn(torch.cat([seq1, env], 1), torch.cat([mask1, torch.ones_like(env)], 1), 3, seed=2)
+    (routes,) = rec.batches
+    assert routes.shape[:2] == seq2.shape and torch.equal(routes.mask[:, :-1], mask2[:, :-1].bool())
+    assert not routes.mask[:, -1].any()  # (the last sampled token is never fed)
+    T1 = seq1.shape[1] - 1
+    assert turn1.equal(Routes(routes.indices[:, : T1 + 1], turn1.mask, routes.layers))
+    replayed = _answer_logp(model, seq2, mask2, routes)
+    torch.testing.assert_close(replayed[:, T1 - 4 : T1], logps[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(replayed[:, -3:], logps[1], rtol=0, atol=1e-5)
+
+    class Stop(RuntimeError):
+        pass
+
+    def stop_at_step_2(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise Stop
+
+    cache = DynamicCache()
+    with torch.no_grad(), record_routes(model) as rec:
+        seq1, mask1 = turn(ids, mask, 4, seed=1)
+        with pytest.raises(Stop):
+            model.generate(input_ids=torch.cat([seq1, env], 1), attention_mask=torch.cat([mask1, mask1[:, :3]], 1),
+                           cache=cache, max_new_tokens=3, stopping_criteria=[stop_at_step_2], **kw)  # fmt: skip
+    assert rec.batches == []
+
+
 def test_a_rollout_resumed_after_an_update_keeps_segment_one_routes_and_version():
     model = tiny_qwen3_moe(0).eval()
 
@@ -134,6 +182,13 @@ def test_conflicts_versions_and_bad_segments_are_refused():
                      torch.full(seg1.routes.mask.shape, 5)), current=4, max_age=1)  # fmt: skip
     with pytest.raises(ValueError, match="fresh needs routes with versions"):
         fresh(seg1.routes, current=0, max_age=1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"segment 0: version must be an int >= 0 \(a policy version\)"):
+            assemble_routes([Segment(seg1.routes, seg1.attention_mask, bad, seg1.sampled_from)], first)
+    versioned = assemble_routes([seg1], first)
+    for current, max_age, name in ((2.0, 1, "current"), (-1, 1, "current"), (2, None, "max_age"), (2, -1, "max_age")):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 0, got"):
+            fresh(versioned, current=current, max_age=max_age)
 
 
 def test_nothing_recorded_is_lost_through_files_packing_and_selection(tmp_path):

@@ -122,7 +122,7 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         try:
             out = inner(*args, **kwargs)
         except BaseException:  # a generate that raised is not recorded (a retry after an OOM records the retry alone)
-            session.drop_streams(first)
+            session.drop_streams(session.generate_streams(first).start)  # (a kept cache holds its steps too)
             raise
         finally:
             ran = session.exit_generate()  # (lets go of its KV cache: a kept hub must not hold it)
@@ -130,7 +130,7 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         sequences = last if isinstance(last, torch.Tensor) else getattr(last, "sequences", None)
         session.hand_over()
         if isinstance(sequences, torch.Tensor):
-            streams = range(first, session.tracker.stream + 1)
+            streams = session.generate_streams(first)
             eos, prompt_mask = eos_token_ids(model, named), named.get("attention_mask")
             ids = named.get("input_ids", named.get("inputs", args[0] if args else None))  # (out.sequences' start)
             prompt = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None

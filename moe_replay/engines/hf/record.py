@@ -128,7 +128,10 @@ def record_routes(model: nn.Module) -> RouteRecorder:
 
     Works under `generate` with a KV cache (prefill, then one position per step), with left padding,
     `num_return_sequences`, and with plain forwards; routes land at the positions of `out.sequences`, with padding
-    and the last sampled token masked out. Recomputes under gradient checkpointing are not recorded twice.
+    and the last sampled token masked out. A conversation whose turns each continue the KV cache the turn before
+    left (`generate(cache=cache)`, all inside the context) is one batch: its routes span the last turn's
+    `out.sequences`, each position routed by the forward that put it in the cache. Recomputes under gradient
+    checkpointing are not recorded twice.
 
     Example:
         >>> with record_routes(model) as rec:  # doctest: +SKIP

@@ -149,8 +149,14 @@ class Session:
             return None
         self.generating += 1
         self.generated = None
-        self.tracker.cache = GENERATE_START
+        self.tracker.cache, self.tracker.resumed = GENERATE_START, None
         return self.tracker.stream + 1
+
+    def generate_streams(self, first: int) -> range:
+        """The streams the outermost `generate` made (from stream `first` on), or continued: a later turn of a
+        conversation over one kept KV cache continues the stream of the turns before it (steps.py)."""
+        resumed = self.tracker.resumed
+        return range(first if resumed is None else min(first, resumed), self.tracker.stream + 1)
 
     def generated_by_inner(self, ran: tuple) -> None:
         """What a generate called by an outer one ran with and returned: the innermost's, which returns first."""

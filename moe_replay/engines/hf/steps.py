@@ -86,7 +86,9 @@ class StepTracker:
     """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
     stream at the next position; any other forward starts a new stream at position 0."""
 
-    __slots__ = ("stream", "cursor", "batch", "current", "depth", "cache", "thread", "_owners", "_signatures")
+    __slots__ = (
+        "stream", "cursor", "batch", "current", "depth", "cache", "resumed", "thread", "_owners", "_signatures",
+    )  # fmt: skip
 
     def __init__(self, signatures: dict | None = None) -> None:
         self.stream = -1
@@ -98,6 +100,7 @@ class StepTracker:
         # before its first step; None between generate calls (a cache that one left may be emptied before the next,
         # and is not kept alive by the hub)
         self.cache: Any = None
+        self.resumed: int | None = None  # the stream the running generate continues through its kept KV cache
         self.thread = 0  # the thread running the current step (`step_wrapper`)
         # id(KV cache) -> (a weak reference to it, the stream whose forwards last used or returned it) (`own`)
         self._owners: dict[int, tuple[weakref.ref, int]] = {}
@@ -145,13 +148,17 @@ class StepTracker:
             length = getattr(cache, "get_seq_length", None)
             held = int(length()) if length is not None else 0
             continuing = held > 0
-            if continuing and generating and self.cache is GENERATE_START:  # the first step of a generate
-                raise UnsupportedGenerationError(
-                    f"generate was given a KV cache that already holds {held} tokens (reused from an earlier generate "
-                    "or forward): its routes could not be lined up with out.sequences; pass each generate a fresh "
-                    "cache (or none)"
-                )
             owner = self._owners.get(id(cache))
+            if continuing and generating and self.cache is GENERATE_START:  # the first step of a generate
+                if owner is None or owner[0]() is not cache or owner[1] != self.stream or held != self.cursor:
+                    raise UnsupportedGenerationError(
+                        f"generate was given a KV cache that already holds {held} tokens, not the one the last "
+                        "generate or forward inside this context left (copied, cropped, another batch's, or filled "
+                        "before the context): its routes could not be lined up with out.sequences; pass each "
+                        "generate a fresh cache (or none), or, for a conversation over one kept cache, open the "
+                        "context before its first turn and pass each turn the cache the turn before left"
+                    )
+                self.resumed = self.stream  # a later turn of one conversation: its routes continue the stream
             if continuing and owner is not None and owner[0]() is cache and owner[1] != self.stream:
                 raise ValueError(
                     f"a forward continues a KV cache ({held} tokens) of an earlier batch after another batch began "

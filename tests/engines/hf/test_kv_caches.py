@@ -38,8 +38,10 @@ def test_a_cache_emptied_between_two_generates_starts_a_new_batch(qwen):
 
 
 def test_a_generate_given_a_cache_that_holds_tokens_is_refused_at_its_first_step(qwen):
-    """A second turn that reuses the first turn's KV cache would continue its routes where out.sequences cannot place
-    them: refused as it starts, and what was recorded before is kept."""
+    """A generate given a cache that the context did not see filled (filled before it opened, or after which another
+    batch began) would continue routes that out.sequences cannot place: refused as it starts, and what was recorded
+    before is kept. (The cache the last generate inside the context left continues its conversation:
+    tests/routes/test_segments.py.)"""
     from transformers import DynamicCache
 
     ids, _ = left_padded(1, 5, [0])
@@ -52,11 +54,15 @@ def test_a_generate_given_a_cache_that_holds_tokens_is_refused_at_its_first_step
         torch.manual_seed(0)
         out = qwen.generate(input_ids=ids, cache=cache, **sampling)
         turn = torch.cat([out, ids[:, :2]], 1)
-        with pytest.raises(UnsupportedGenerationError, match="already holds 7 tokens .* fresh cache"):
+        qwen(ids)  # another batch began
+        with pytest.raises(UnsupportedGenerationError, match="already holds 7 tokens, not the one .* fresh cache"):
             qwen.generate(input_ids=turn, cache=cache, **sampling)
         assert qwen.generate(input_ids=turn, **sampling).shape[1] == turn.shape[1] + 3  # a fresh cache: recorded
-    first, second = rec.batches
+    first, _, second = rec.batches
     assert first.equal(alone.routes) and second.seq_len == turn.shape[1] + 3
+    with torch.no_grad(), record_routes(qwen):  # filled before the context opened
+        with pytest.raises(UnsupportedGenerationError, match="already holds"):
+            qwen.generate(input_ids=turn, cache=cache, **sampling)
 
 
 @pytest.mark.parametrize("how", ["copied", "cropped"])
