@@ -65,6 +65,35 @@ def test_a_generate_given_a_cache_that_holds_tokens_is_refused_at_its_first_step
             qwen.generate(input_ids=turn, cache=cache, **sampling)
 
 
+def test_a_conversation_over_a_kept_cache_replays_across_its_turns(qwen):
+    """The routes of a two-turn conversation over one kept cache (one batch), replayed on a perturbed model over the
+    same two turns (again one kept cache): every recorded position takes its recorded experts in either turn."""
+    from transformers import DynamicCache
+
+    ids, mask = left_padded(2, 5, [0, 2])
+    env = torch.tensor([[7, 8, 9], [11, 12, 13]])
+    kw = {"do_sample": True, "pad_token_id": PAD, "return_dict_in_generate": True}
+
+    def conversation() -> None:
+        cache = DynamicCache()
+        torch.manual_seed(1)
+        first = qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=4, min_new_tokens=4, **kw)
+        ids2 = torch.cat([first.sequences, env], 1)
+        torch.manual_seed(2)
+        mask2 = torch.cat([mask, torch.ones(2, 7, dtype=mask.dtype)], 1)
+        qwen.generate(input_ids=ids2, attention_mask=mask2, cache=cache, max_new_tokens=3, min_new_tokens=3, **kw)
+
+    with torch.no_grad(), record_routes(qwen) as rec:
+        conversation()
+    (routes,) = rec.batches
+    assert routes.shape[:2] == (2, 15) and routes.mask.sum() == 2 * 14 - 2  # (row 1's two pads, each last token)
+    perturb(qwen)
+    with torch.no_grad(), replay_routes(qwen, routes), record_routes(qwen) as used:
+        conversation()
+    (got,) = used.batches
+    assert torch.equal(got.mask, routes.mask) and torch.equal(got.indices[got.mask], routes.indices[routes.mask])
+
+
 @pytest.mark.parametrize("how", ["copied", "cropped"])
 def test_a_forward_continuing_a_cache_that_does_not_end_where_its_stream_does_is_refused(qwen, how):
     """Scoring two continuations, each from a copy of a prompt's cache (or after rolling the cache back), would place
