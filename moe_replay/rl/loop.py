@@ -8,7 +8,6 @@ Example:
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 import time
@@ -22,6 +21,7 @@ from ..analysis import expert_change, teacher_forced_routes
 from ..engines.hf import keep_warm
 from .config import TrainConfig
 from .diagnostics import EVAL_KEYS, heldout_eval, k3_kl, mean_rows, pooled_stats
+from .logs import append_rows, truncate_rows
 from .policy import build_policy, sampled_reward, scale_routers, warm_start
 from .sampler import make_sampler, mismatch_metrics
 from .step import answer_logp, minibatch_update, rollout
@@ -66,8 +66,8 @@ class Run:
             torch.set_rng_state(state["torch_rng"])
             self.task_gen.set_state(state["task_rng"])
             self.perm_gen.set_state(state["perm_rng"])
-            _truncate(self.out / STEP_LOG, self.step)
-            _truncate(self.out / MINIBATCH_LOG, self.step)
+            truncate_rows(self.out / STEP_LOG, self.step)
+            truncate_rows(self.out / MINIBATCH_LOG, self.step)
             return
         for name in (STEP_LOG, MINIBATCH_LOG):
             (self.out / name).unlink(missing_ok=True)
@@ -247,8 +247,8 @@ def train(config: TrainConfig, *, resume: bool = True, progress: bool = True, st
     with keep_warm(run.model):  # its contexts reuse one walk of the model; a checkpoint saves none of it
         while run.step < config.steps and (stop_after is None or done < stop_after):
             logs = run.train_step()
-            _append(run.out / STEP_LOG, [logs["step"]])
-            _append(run.out / MINIBATCH_LOG, logs["minibatches"])
+            append_rows(run.out / STEP_LOG, [logs["step"]])
+            append_rows(run.out / MINIBATCH_LOG, logs["minibatches"])
             done += 1
             if run.step % config.checkpoint_every == 0 or run.step == config.steps:
                 run.checkpoint()
@@ -286,31 +286,6 @@ def check_resumable(saved: Path, config: dict[str, Any]) -> None:
             f"{saved.parent} holds a run started with {diff}: resume it with the same settings (only steps may "
             "change), or start over (resume=False, `moe-replay train --fresh`), or write to another output"
         )
-
-
-def _append(path: Path, rows: list[dict[str, Any]]) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-        f.flush()
-
-
-def _truncate(path: Path, step: int) -> None:
-    """Drop log rows written after the checkpoint (the resumed run writes them again)."""
-    if not path.exists():
-        return
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return
-    keep = [r for r in rows if int(r["step"]) <= step]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(keep)
 
 
 def _bar(total: int, desc: str, enabled: bool):  # noqa: ANN202
