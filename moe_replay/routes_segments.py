@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .routes import Routes, layer_diff
+from .routes_placed import PlacedRoutes
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ def _check(seg: Segment, s: int, segments: list[Segment], B: int) -> None:
 def fresh(routes: Routes, current: int, max_age: int) -> Routes:
     """`routes` with only the positions produced at most `max_age` versions before `current` still recorded: a
     replay then routes the older ones live (a staleness bound; off unless you call it). Needs `routes.version`.
+    Packed or context-parallel routes keep their place (`PlacedRoutes`).
 
     Example:
         >>> with replay_routes(model, fresh(routes, current=step, max_age=2)):  # doctest: +SKIP
@@ -169,4 +171,5 @@ def fresh(routes: Routes, current: int, max_age: int) -> Routes:
             f"sequence {b}, position {t} has version {int(routes.version[b, t])}, newer than current={current}"
         )
     mask = routes.mask & (current - routes.version <= max_age)
-    return Routes._trusted(routes.indices, mask, routes.layers, routes.version)
+    kept = Routes._trusted(routes.indices, mask, routes.layers, routes.version)
+    return type(routes).placed(kept, **routes.place()) if isinstance(routes, PlacedRoutes) else kept

@@ -204,6 +204,9 @@ def test_nothing_recorded_is_lost_through_files_packing_and_selection(tmp_path):
     assert packed.routes.version is not None
     back = unpack_routes(packed.routes, packed.cu_seqlens, mask, cu_seqlens_padded=packed.cu_seqlens_padded)
     assert back.equal(routes)
+    aged = fresh(packed.routes, current=3, max_age=0)  # packed routes keep their place through the age bound
+    assert type(aged) is type(packed.routes) and aged.place().keys() == packed.routes.place().keys()
+    assert aged.place() == packed.routes.place() and 0 < aged.mask.sum() < packed.routes.mask.sum()
     assert routes[[1]].equal(Routes.cat([routes[[0]], routes[[1]]])[[1]])
     assert routes.pad_to(routes.seq_len + 2)[[0]].version.shape == (1, routes.seq_len + 2)
     with pytest.raises(ValueError, match="cannot concatenate Routes with and without versions"):
