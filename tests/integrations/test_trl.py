@@ -193,11 +193,11 @@ class Shifted(Spy):
 
     def _generate_single_turn(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         out = super()._generate_single_turn(*args, **kwargs)
-        routes, p, c = self._rr_generated
+        routes, p, c = self._rr_turns[-1]
         from moe_replay import Routes
 
         shifted = Routes(routes.indices.roll(1, 1), routes.mask.roll(1, 1), routes.layers)
-        self._rr_generated = (shifted, p, c)
+        self._rr_turns[-1] = (shifted, p, c)
         return out
 
 
@@ -224,7 +224,7 @@ def test_refused_settings(tmp_path, kw, match):
 @pytest.mark.parametrize(
     "extra, match",
     [
-        (dict(tools=[lambda x: x]), "tool calling"),
+        (dict(tools=[lambda x: x], rollout_func=lambda prompts, trainer: {}), "tools together with a rollout_func"),
         (dict(environment_factory=object), "environments"),
     ],
 )

@@ -8,12 +8,17 @@ from typing import Any
 
 def refuse_arguments(kwargs: dict[str, Any]) -> None:
     """ValueError for `GRPOTrainer` arguments routing replay does not support yet."""
-    for key, what in (
-        ("tools", "tool calling (multi-turn generation)"),
-        ("environment_factory", "environments (multi-turn generation)"),
-    ):
-        if kwargs.get(key):
-            raise ValueError(f"routing_replay does not support {what} yet: pass {key}=None or routing_replay=None")
+    if kwargs.get("environment_factory"):
+        raise ValueError(
+            "routing_replay does not support environments (multi-turn generation) yet: pass environment_factory=None "
+            "or routing_replay=None"
+        )
+    if kwargs.get("tools") and kwargs.get("rollout_func") is not None:
+        raise ValueError(
+            "routing_replay does not support tools together with a rollout_func (TRL's tool loop would generate "
+            "turns the rollout_func's routes do not hold): run the tool calls inside the rollout_func, or pass tools "
+            "without one"
+        )
     from transformers import ProcessorMixin
 
     if isinstance(kwargs.get("processing_class"), ProcessorMixin):

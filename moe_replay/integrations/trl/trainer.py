@@ -25,6 +25,7 @@ from ...routes import LayerInfo, Routes
 from .layout import check_rows, routes_for_batch
 from .refusals import refuse_arguments, refuse_settings, refuse_stop_tokens
 from .rollout import taking_routes
+from .tools import tool_loop_routes
 
 MODES = (None, "rollout", "old_logprob")
 INDICES, MASK = "routing_indices", "routing_mask"  # the batch keys that carry the routes
@@ -50,8 +51,10 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
 
     A custom `rollout_func` (the user's own engine call, or an agent loop) hands its routes over in its output's
     `"routes"` (`integrations.trl.rollout`: the layout, and R2's refusal of them); `use_vllm=True` is allowed with one
-    (TRL's weight sync to the user's engine). Refused with a ValueError: `use_vllm` without a `rollout_func` (TRL's
-    own vLLM path returns no routes), continuous batching, tools / environments, and multimodal inputs.
+    (TRL's weight sync to the user's engine). TRL's tool loop (`tools=[...]`): every turn is recorded and the turns
+    are assembled by the segment rule (`integrations.trl.tools`). Refused with a ValueError: `use_vllm` without a
+    `rollout_func` (TRL's own vLLM path returns no routes), continuous batching, environments, tools with a
+    `rollout_func`, and multimodal inputs.
 
     Example:
         >>> trainer = RoutingReplayGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(num_iterations=2),
@@ -64,6 +67,7 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             raise ValueError(f"routing_replay must be one of {MODES}, got {routing_replay!r}")
         self.routing_replay = routing_replay
         self._rr_generated: tuple | None = None  # (routes under generate, prompt ids, completion ids)
+        self._rr_turns: list = []  # each `_generate_single_turn` of the running `_generate` (tools.Turn)
         self._rr_rows: Routes | None = None  # the routes of the batch being generated, in TRL's layout
         self._rr_layers: tuple[LayerInfo, ...] | None = None
         self._rr_phase: str | None = None
@@ -99,8 +103,25 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             completion_ids, logprobs = super()._generate_single_turn(*args)
         if len(rec.batches) != 1:
             raise ReplayError(f"expected one generate call to record, got {len(rec.batches)}")
-        self._rr_generated = (rec.routes, prompt_ids, completion_ids)
+        # (several in TRL's tool loop, which then edits these lists in place: copied as this turn ran)
+        self._rr_turns.append((rec.routes, [list(p) for p in prompt_ids], [list(c) for c in completion_ids]))
         return completion_ids, logprobs
+
+    def _generate(self, prompts):  # noqa: ANN001, ANN202
+        if self.routing_replay != "rollout" or self.rollout_func is not None:
+            return super()._generate(prompts)
+        self._rr_turns = []
+        try:
+            out = super()._generate(prompts)
+            prompt_ids, completion_ids, turns = out[0], out[1], self._rr_turns
+            if len(turns) == 1:
+                self._rr_generated = turns[0]
+            elif turns:  # TRL's tool loop: a turn per tool reply, assembled as one generate over the final rows
+                routes = tool_loop_routes(turns, prompt_ids, completion_ids, self.pad_to_multiple_of)
+                self._rr_generated = (routes, prompt_ids, completion_ids)
+        finally:
+            self._rr_turns = []
+        return out
 
     def _keep_rollout_routes(self, generated: tuple) -> None:
         self._rr_generated = generated  # (routes, prompt ids, completion ids), as `_generate_single_turn` keeps them
