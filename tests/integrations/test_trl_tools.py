@@ -64,17 +64,19 @@ class ToolSpy(Spy):
         return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
 
-def test_trls_tool_loop_trains_on_the_routes_of_every_turn(tmp_path, tool_tokenizer):
+@pytest.mark.parametrize("mode, multiple", [("rollout", None), ("rollout", 8), ("old_logprob", None)])
+def test_trls_tool_loop_trains_on_the_routes_of_every_turn(tmp_path, tool_tokenizer, mode, multiple):
     questions = ["1+7", "23+89", "456+123", "1+89"] * 2
     trainer = ToolSpy(
         model=tiny_policy(),
         reward_funcs=reward,
         args=config(tmp_path, max_completion_length=24, max_tool_calling_iterations=2, max_steps=2,
+                    pad_to_multiple_of=multiple,
                     generation_kwargs={"sequence_bias": {(tool_tokenizer(CALL).input_ids[0],): 2.0, (1,): 2.0}}),
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in questions]}),
         processing_class=tool_tokenizer,
         tools=[echo],
-        routing_replay="rollout",
+        routing_replay=mode,
     )  # fmt: skip
     trainer.train()
     assert len(trainer.turn_rows) > len(trainer.generated)  # the tool loop ran later turns, on some rows each
