@@ -59,7 +59,7 @@ def assemble_routes(segments: Sequence[Segment], attention_mask: torch.Tensor) -
     segments = list(segments)
     if not segments:
         raise ValueError("assemble_routes needs at least one Segment")
-    keep = torch.as_tensor(attention_mask).bool()
+    keep = torch.as_tensor(attention_mask).bool().cpu()  # (masks and offsets on any device: assembled on the CPU)
     B, T = keep.shape
     for s, seg in enumerate(segments):
         _check(seg, s, segments, B)
@@ -76,7 +76,7 @@ def assemble_routes(segments: Sequence[Segment], attention_mask: torch.Tensor) -
     for s, seg in enumerate(segments):
         start = _per_row(seg.start, B, "start", s)
         sampled_from = _per_row(seg.sampled_from, B, "sampled_from", s)
-        real = seg.attention_mask.bool()
+        real = seg.attention_mask.bool().cpu()
         conv = real.long().cumsum(1) - 1 + start[:, None]  # each real token's conversation position
         beyond = real & (conv >= lengths[:, None])
         if beyond.any():
@@ -85,7 +85,7 @@ def assemble_routes(segments: Sequence[Segment], attention_mask: torch.Tensor) -
                 f"segment {s}, conversation {i}: it reaches position {int(conv[i][real[i]].max())} but the assembled "
                 f"batch holds {int(lengths[i])} tokens of it"
             )
-        b, t = (seg.routes.mask.cpu() & real).nonzero(as_tuple=True)
+        b, t = (seg.routes.mask.cpu() & real).nonzero(as_tuple=True)  # (CPU index tensors from here on)
         p = conv[b, t]
         d, sampled = column[b, p], p >= sampled_from[b]
         held = claimed[b, d] >= 0
@@ -119,7 +119,7 @@ def _flat(indices: torch.Tensor) -> torch.Tensor:
 
 
 def _per_row(value: int | Sequence[int] | torch.Tensor, B: int, name: str, s: int) -> torch.Tensor:
-    out = torch.as_tensor(value, dtype=torch.long)
+    out = torch.as_tensor(value, dtype=torch.long).cpu()
     if out.dim() == 0:
         out = out.expand(B)
     if out.shape != (B,) or (out < 0).any():
