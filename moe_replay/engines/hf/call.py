@@ -112,6 +112,7 @@ class Recorder(Protocol):
         eos: list[int],
         prompt_mask: torch.Tensor | None,
         prompt: int | None = None,
+        resumed: tuple[int, torch.Tensor | None] | None = None,
     ) -> None: ...
 
     def drop_streams(self, first: int) -> None:

@@ -134,8 +134,9 @@ def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
             eos, prompt_mask = eos_token_ids(model, named), named.get("attention_mask")
             ids = named.get("input_ids", named.get("inputs", args[0] if args else None))  # (out.sequences' start)
             prompt = ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+            prompt_mask = prompt_mask if torch.is_tensor(prompt_mask) else None
             for rec in session.recorders:
-                rec.on_generate(streams, sequences, eos, prompt_mask if torch.is_tensor(prompt_mask) else None, prompt)
+                rec.on_generate(streams, sequences, eos, prompt_mask, prompt, session.tracker.resumed)
         return out
 
     return generate

@@ -63,14 +63,20 @@ class RouteRecorder:
         eos: list[int],
         prompt_mask: torch.Tensor | None,
         prompt: int | None = None,
+        resumed: tuple[int, torch.Tensor | None] | None = None,
     ) -> None:
         """After a `generate`: routes span `out.sequences`, end at each row's end-of-sequence token after the prompt
         (`prompt` tokens; None: its first forward's, which a chunked prefill splits), and are not recorded where the
-        prompt's attention mask is 0 (whatever mask the cache implementation passed the forward)."""
+        prompt's attention mask is 0 (whatever mask the cache implementation passed the forward). A generate that
+        continued stream `resumed[0]`'s kept cache must hold the stream's last `out.sequences` at its start; the
+        earlier turns' positions stay recorded where its first forward's mask (`resumed[1]`) attends to them."""
         for sid in streams:
             stream = self._streams.get(sid)
             if stream is None:
                 continue
+            if resumed is not None and resumed[0] == sid:
+                continues(stream, sequences)
+            stream.sequences = sequences.clone()
             stream.flush_masks()  # generate's own masks are let go
             stream.final_len = sequences.shape[1]
             # With synced_gpus a rank whose rows all finished keeps running dummy forwards (from the last token on)
@@ -90,6 +96,8 @@ class RouteRecorder:
                 if rows * prompt_mask.shape[0] == sequences.shape[0]:
                     real = prompt_mask != 0
                     keep.append((0, real if rows == 1 else real.repeat_interleave(rows, 0)))
+            if resumed is not None and resumed[0] == sid and resumed[1] is not None:
+                keep.append((0, resumed[1]))
             stream.keep = keep
 
     # ---- results -------------------------------------------------------------------------------------------------
@@ -121,6 +129,31 @@ class RouteRecorder:
                 kept = kept[:, : part.shape[1]]
             part &= kept if kept.device == part.device else kept.to(part.device)
         return Routes._trusted(indices, mask, layers)
+
+
+def continues(stream: Stream, sequences: torch.Tensor) -> None:
+    """Raise (and keep as the stream's problem) unless a generate that continued `stream`'s kept KV cache holds, at
+    the start of its `sequences`, the stream's last `out.sequences`: the cache holds those tokens, row by row (a
+    reordered cache, or a turn's input that edits the history, would place routes on other tokens)."""
+    last = stream.sequences
+    n = last.shape[1] if last is not None else 0
+    if last is None or sequences.shape[0] != last.shape[0] or sequences.shape[1] < n:
+        found = "no earlier generate" if last is None else f"{tuple(last.shape)}"
+        stream.problem = ValueError(
+            f"a generate continued a kept KV cache whose conversation's last out.sequences are {found}, but it "
+            f"returned {tuple(sequences.shape)}: continue a kept cache with the same rows"
+        )
+        raise stream.problem
+    differ = (sequences[:, :n] != last.to(sequences.device)).any(1)
+    if differ.any():
+        row = int(differ.nonzero()[0])
+        col = int((sequences[row, :n] != last[row].to(sequences.device)).nonzero()[0])
+        stream.problem = ValueError(
+            f"a generate continued a kept KV cache, but its row {row} differs at position {col} from the tokens the "
+            f"cache holds (the last generate's out.sequences): a cache reordered or a history edited would put "
+            "routes on other tokens; give each turn the last turn's out.sequences + the new tokens, rows in order"
+        )
+        raise stream.problem
 
 
 def record_routes(model: nn.Module) -> RouteRecorder:

@@ -156,7 +156,7 @@ class Session:
         """The streams the outermost `generate` made (from stream `first` on), or continued: a later turn of a
         conversation over one kept KV cache continues the stream of the turns before it (steps.py)."""
         resumed = self.tracker.resumed
-        return range(first if resumed is None else min(first, resumed), self.tracker.stream + 1)
+        return range(first if resumed is None else min(first, resumed[0]), self.tracker.stream + 1)
 
     def generated_by_inner(self, ran: tuple) -> None:
         """What a generate called by an outer one ran with and returned: the innermost's, which returns first."""

@@ -100,7 +100,9 @@ class StepTracker:
         # before its first step; None between generate calls (a cache that one left may be emptied before the next,
         # and is not kept alive by the hub)
         self.cache: Any = None
-        self.resumed: int | None = None  # the stream the running generate continues through its kept KV cache
+        # the stream the running generate continues through its kept KV cache, and what its first forward's mask says
+        # of the positions before it (False: padding to this turn; None: no mask)
+        self.resumed: tuple[int, torch.Tensor | None] | None = None
         self.thread = 0  # the thread running the current step (`step_wrapper`)
         # id(KV cache) -> (a weak reference to it, the stream whose forwards last used or returned it) (`own`)
         self._owners: dict[int, tuple[weakref.ref, int]] = {}
@@ -139,6 +141,7 @@ class StepTracker:
         if cache is None:
             cache = bound.get("past_key_values")
         noted = True  # whether the cache is noted as this step's stream's (`own`) already, or there is none
+        resuming = False  # the first step of a generate continuing the kept cache of the current stream
         if cache is None:
             continuing = False
         elif generating and cache is self.cache:  # a later step of this generate: its cache holds the steps before
@@ -158,7 +161,7 @@ class StepTracker:
                         "generate a fresh cache (or none), or, for a conversation over one kept cache, open the "
                         "context before its first turn and pass each turn the cache the turn before left"
                     )
-                self.resumed = self.stream  # a later turn of one conversation: its routes continue the stream
+                resuming = True  # a later turn of one conversation: its routes continue the stream
             if continuing and owner is not None and owner[0]() is cache and owner[1] != self.stream:
                 raise ValueError(
                     f"a forward continues a KV cache ({held} tokens) of an earlier batch after another batch began "
@@ -196,6 +199,9 @@ class StepTracker:
                 mask = None  # sliced to the step's columns only if a recorder asks (`Step.real`)
         else:
             mask = None
+        if resuming:
+            before = mask[:, :start] != 0 if mask is not None and mask.shape[1] >= start + t else None
+            self.resumed = (self.stream, before)
         grad = True if torch.is_grad_enabled() else None
         self.current = Step(self.stream, B, start, t, mask, tokens.device, grad, False, generating)  # (positional)
         return self.current
