@@ -225,7 +225,7 @@ def test_refused_settings(tmp_path, kw, match):
     "extra, match",
     [
         (dict(tools=[lambda x: x], rollout_func=lambda prompts, trainer: {}), "tools together with a rollout_func"),
-        (dict(environment_factory=object), "environments"),
+        (dict(environment_factory=object, rollout_func=lambda prompts, trainer: {}), "environment_factory together"),
     ],
 )
 def test_refused_arguments(tmp_path, extra, match):

@@ -1,7 +1,8 @@
-"""TRL's own tool-calling loop (`GRPOTrainer(tools=...)`) under routing replay: each turn's `generate` is recorded,
-the turns are assembled by the segment rule, and every loss forward replays the result. The tiny character model is
-made to call a tool by a scripted response parser (a completion holding "9" calls `echo`) and a chat template that
-renders tool calls; the tool's reply is the fixed tokens "+42=" (TRL's `_get_tool_suffix_ids`, replaced)."""
+"""TRL's own tool-calling loop (`GRPOTrainer(tools=...)`, or an `environment_factory`'s methods) under routing
+replay: each turn's `generate` is recorded, the turns are assembled by the segment rule, and every loss forward
+replays the result. The tiny character model is made to call a tool by a scripted response parser (a completion
+holding "9" calls `echo`) and a chat template that renders tool calls; the tool's reply is the fixed tokens "+42="
+(TRL's `_get_tool_suffix_ids`, replaced)."""
 
 from __future__ import annotations
 
@@ -64,8 +65,26 @@ class ToolSpy(Spy):
         return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
 
-@pytest.mark.parametrize("mode, multiple", [("rollout", None), ("rollout", 8), ("old_logprob", None)])
-def test_trls_tool_loop_trains_on_the_routes_of_every_turn(tmp_path, tool_tokenizer, mode, multiple):
+class EchoEnvironment:
+    """A TRL environment whose one tool is `echo` (TRL runs its tool loop over the environments' methods)."""
+
+    def reset(self, **kwargs: Any) -> None:
+        return None
+
+    def echo(self) -> str:
+        """Echo a number.
+
+        Returns:
+            The number.
+        """
+        return "42"
+
+
+@pytest.mark.parametrize(
+    "mode, multiple, source",
+    [("rollout", None, "tools"), ("rollout", 8, "tools"), ("old_logprob", None, "tools"), ("rollout", None, "env")],
+)
+def test_trls_tool_loop_trains_on_the_routes_of_every_turn(tmp_path, tool_tokenizer, mode, multiple, source):
     questions = ["1+7", "23+89", "456+123", "1+89"] * 2
     trainer = ToolSpy(
         model=tiny_policy(),
@@ -75,7 +94,7 @@ def test_trls_tool_loop_trains_on_the_routes_of_every_turn(tmp_path, tool_tokeni
                     generation_kwargs={"sequence_bias": {(tool_tokenizer(CALL).input_ids[0],): 2.0, (1,): 2.0}}),
         train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in questions]}),
         processing_class=tool_tokenizer,
-        tools=[echo],
+        **({"tools": [echo]} if source == "tools" else {"environment_factory": EchoEnvironment}),
         routing_replay=mode,
     )  # fmt: skip
     trainer.train()

@@ -8,16 +8,12 @@ from typing import Any
 
 def refuse_arguments(kwargs: dict[str, Any]) -> None:
     """ValueError for `GRPOTrainer` arguments routing replay does not support yet."""
-    if kwargs.get("environment_factory"):
+    multi_turn = next((key for key in ("tools", "environment_factory") if kwargs.get(key)), None)
+    if multi_turn is not None and kwargs.get("rollout_func") is not None:
         raise ValueError(
-            "routing_replay does not support environments (multi-turn generation) yet: pass environment_factory=None "
-            "or routing_replay=None"
-        )
-    if kwargs.get("tools") and kwargs.get("rollout_func") is not None:
-        raise ValueError(
-            "routing_replay does not support tools together with a rollout_func (TRL's tool loop would generate "
-            "turns the rollout_func's routes do not hold): run the tool calls inside the rollout_func, or pass tools "
-            "without one"
+            f"routing_replay does not support {multi_turn} together with a rollout_func (TRL's tool loop would "
+            "generate turns the rollout_func's routes do not hold): run the tool calls inside the rollout_func, or "
+            f"pass {multi_turn} without one"
         )
     from transformers import ProcessorMixin
 

@@ -51,10 +51,10 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
 
     A custom `rollout_func` (the user's own engine call, or an agent loop) hands its routes over in its output's
     `"routes"` (`integrations.trl.rollout`: the layout, and R2's refusal of them); `use_vllm=True` is allowed with one
-    (TRL's weight sync to the user's engine). TRL's tool loop (`tools=[...]`): every turn is recorded and the turns
-    are assembled by the segment rule (`integrations.trl.tools`). Refused with a ValueError: `use_vllm` without a
-    `rollout_func` (TRL's own vLLM path returns no routes), continuous batching, environments, tools with a
-    `rollout_func`, and multimodal inputs.
+    (TRL's weight sync to the user's engine). TRL's tool loop (`tools=[...]` or an `environment_factory`): every turn
+    is recorded and the turns are assembled by the segment rule (`integrations.trl.tools`). Refused with a
+    ValueError: `use_vllm` without a `rollout_func` (TRL's own vLLM path returns no routes), continuous batching,
+    tools or environments with a `rollout_func`, and multimodal inputs.
 
     Example:
         >>> trainer = RoutingReplayGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(num_iterations=2),
