@@ -50,7 +50,7 @@ class RouterHub:
         self.sites: list[RouterSite] = list(layout.sites)
         self.selectors = [selectors_for(s.router) for s in self.sites]
         self._tracked: list[nn.Module] = list(layout.tracked)
-        self._signatures = warm.signatures  # kept across hubs in a `keep_warm` scope (steps.py)
+        self._signatures = warm.signatures  # kept across hubs in a `keep_warm` scope (tracker.py)
         self.redirects = Redirects()  # routers whose own torch.topk alone is intercepted
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)

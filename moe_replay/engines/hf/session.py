@@ -17,8 +17,9 @@ from ..recompute_queue import RecomputeQueue
 from .call import Recorder, Replayer, RouterCall
 from .facts import runs_class_methods
 from .recompute import recompute_queue
-from .steps import GENERATE_START, HAND_OVER, Step, StepTracker, extends_generation
+from .steps import HAND_OVER, Step, extends_generation
 from .stream import Taken
+from .tracker import GENERATE_START, StepTracker
 
 
 class Session:
@@ -154,7 +155,7 @@ class Session:
 
     def generate_streams(self, first: int) -> range:
         """The streams the outermost `generate` made (from stream `first` on), or continued: a later turn of a
-        conversation over one kept KV cache continues the stream of the turns before it (steps.py)."""
+        conversation over one kept KV cache continues the stream of the turns before it (tracker.py)."""
         resumed = self.tracker.resumed
         return range(first if resumed is None else min(first, resumed[0]), self.tracker.stream + 1)
 

@@ -1,23 +1,19 @@
 """Which sequence positions a forward call covers (prefill [B, T_prompt], then [B, 1] per decode step), and the
-wrapper that makes each outermost forward of a tracked model a step."""
+wrapper that makes each outermost forward of a tracked model a step (of its session's `StepTracker`, tracker.py)."""
 
 from __future__ import annotations
 
-import inspect
 import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 
-from ...errors import ForeignThreadError, UnsupportedGenerationError
+from ...errors import ForeignThreadError
 from ..autograd import in_backward, inside_reentrant_checkpoint
 
 HAND_OVER = 32  # decode steps of a generate held before the recorders take them (`Session.step_ended`)
-GENERATE_START = object()  # `StepTracker.cache` as a generate begins, before its first step
 
 
 @dataclass(slots=True)
@@ -82,165 +78,6 @@ def extends_generation(step: Step) -> bool:
     return step.generating and step.start > 0 and (mask is None or mask.shape[1] == step.start + step.length)
 
 
-class StepTracker:
-    """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
-    stream at the next position; any other forward starts a new stream at position 0."""
-
-    __slots__ = (
-        "stream", "cursor", "batch", "current", "depth", "cache", "resumed", "thread", "_owners", "_signatures",
-    )  # fmt: skip
-
-    def __init__(self, signatures: dict | None = None) -> None:
-        self.stream = -1
-        self.cursor = 0
-        self.batch = 0
-        self.current: Step | None = None
-        self.depth = 0
-        # the KV cache of the running generate's last step, which holds that step's tokens (`begin`); GENERATE_START
-        # before its first step; None between generate calls (a cache that one left may be emptied before the next,
-        # and is not kept alive by the hub)
-        self.cache: Any = None
-        # the stream the running generate continues through its kept KV cache, and what its first forward's mask says
-        # of the positions before it (False: padding to this turn; None: no mask)
-        self.resumed: tuple[int, torch.Tensor | None] | None = None
-        self.thread = 0  # the thread running the current step (`step_wrapper`)
-        # id(KV cache) -> (a weak reference to it, the stream whose forwards last used or returned it) (`own`)
-        self._owners: dict[int, tuple[weakref.ref, int]] = {}
-        # per forward function: its signature and positional parameter names (a dict the caller may keep across
-        # trackers, e.g. on the model: inspecting a signature costs more than a whole router call)
-        self._signatures: dict[Any, tuple[inspect.Signature, tuple[str, ...] | None]] = (
-            {} if signatures is None else signatures
-        )
-
-    def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generating: bool = False) -> Step:
-        """Open the step of an outermost forward (`forward` is the module's unwrapped forward; `generating`: inside
-        `generate`)."""
-        if not args:  # the keyword arguments are the call's arguments as they are
-            bound = kwargs
-        else:  # positional arguments onto the leading positional parameters' names (cached per forward)
-            sig, names = self._signatures.get(forward) or self._signature(forward)
-            if names is not None and len(args) <= len(names):
-                bound = dict(zip(names, args, strict=False))
-                if kwargs:
-                    bound.update(kwargs)
-            else:  # a signature with *args, or more positional arguments than parameters: bound by `inspect`
-                bound = _bind(sig, args, kwargs)
-        tokens = bound.get("input_ids")
-        if tokens is None:
-            tokens = bound.get("inputs_embeds")
-        if tokens is None:
-            tokens = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
-            raise ValueError(
-                "moe-replay needs batched input_ids [B, T] or inputs_embeds [B, T, H] to place routes, got "
-                f"{None if tokens is None else tuple(tokens.shape)}"
-            )
-        shape = tokens.shape
-        B, t = shape[0], shape[1]
-        cache = bound.get("cache")
-        if cache is None:
-            cache = bound.get("past_key_values")
-        noted = True  # whether the cache is noted as this step's stream's (`own`) already, or there is none
-        resuming = False  # the first step of a generate continuing the kept cache of the current stream
-        if cache is None:
-            continuing = False
-        elif generating and cache is self.cache:  # a later step of this generate: its cache holds the steps before
-            continuing = True
-        else:
-            noted = False
-            length = getattr(cache, "get_seq_length", None)
-            held = int(length()) if length is not None else 0
-            continuing = held > 0
-            owner = self._owners.get(id(cache))
-            if continuing and generating and self.cache is GENERATE_START:  # the first step of a generate
-                if owner is None or owner[0]() is not cache or owner[1] != self.stream or held != self.cursor:
-                    raise UnsupportedGenerationError(
-                        f"generate was given a KV cache that already holds {held} tokens, not the one the last "
-                        "generate or forward inside this context left (copied, cropped, another batch's, or filled "
-                        "before the context): its routes could not be lined up with out.sequences; pass each "
-                        "generate a fresh cache (or none), or, for a conversation over one kept cache, open the "
-                        "context before its first turn and pass each turn the cache the turn before left"
-                    )
-                resuming = True  # a later turn of one conversation: its routes continue the stream
-            if continuing and owner is not None and owner[0]() is cache and owner[1] != self.stream:
-                raise ValueError(
-                    f"a forward continues a KV cache ({held} tokens) of an earlier batch after another batch began "
-                    f"(the current one: {self.batch} rows at position {self.cursor}): routes are placed one batch "
-                    "after another, so interleaved caches cannot be placed; finish one batch's forwards before the "
-                    "next batch's first, or open a context per batch"
-                )
-            if continuing and self.stream >= 0 and held != self.cursor:  # (a stream's positions are its forwards')
-                raise ValueError(
-                    f"a forward continues a KV cache that holds {held} tokens, but the stream it would continue ends "
-                    f"at position {self.cursor}: a cache copied, cropped or rolled back, or another stream's, cannot "
-                    "be placed; open a context per continuation of one cache (prefill included), or run the "
-                    "continuations without a cache"
-                )
-        if continuing:
-            if self.stream < 0:
-                raise ValueError(
-                    "a forward with a non-empty KV cache continues a generation that started before this moe-replay "
-                    "context was entered: enter the context before the first (prefill) forward"
-                )
-            if B != self.batch:
-                raise ValueError(f"a cached forward with batch {B} continues a stream of batch {self.batch}")
-            start = self.cursor
-        else:
-            self.stream += 1
-            start = 0
-        self.cursor, self.batch = start + t, B
-        self.cache = cache if generating and t > 0 else None
-        if not noted:
-            self.own(cache)
-        mask = bound.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            size = mask.shape
-            if len(size) != 2 or size[0] != B or size[1] < t:
-                mask = None  # sliced to the step's columns only if a recorder asks (`Step.real`)
-        else:
-            mask = None
-        if resuming:
-            before = mask[:, :start] != 0 if mask is not None and mask.shape[1] >= start + t else None
-            self.resumed = (self.stream, before)
-        grad = True if torch.is_grad_enabled() else None
-        self.current = Step(self.stream, B, start, t, mask, tokens.device, grad, False, generating)  # (positional)
-        return self.current
-
-    def own(self, cache: Any) -> None:
-        """Note `cache` as the current stream's: a later forward continuing it while another stream runs is refused
-        (`begin`). A cache that cannot be weakly referenced (a legacy tuple) is not noted."""
-        if cache is None:
-            return
-        key, owners = id(cache), self._owners
-        entry = owners.get(key)
-        if entry is not None and entry[0]() is cache and entry[1] == self.stream:
-            return
-        try:  # (forgotten as the cache is freed: the hub never keeps a cache alive)
-            owners[key] = (weakref.ref(cache, partial(_forget, owners, key)), self.stream)
-        except TypeError:
-            pass
-
-    def positional(self, func: Any) -> tuple[str, ...] | None:
-        """The names of `func`'s leading positional parameters (None if it takes *args or has no signature), parsed
-        once per function."""
-        found = self._signatures.get(func)
-        if found is None:
-            try:
-                found = self._signature(func)
-            except (TypeError, ValueError):
-                return None
-        return found[1]
-
-    def _signature(self, forward: Any) -> tuple[inspect.Signature, tuple[str, ...] | None]:
-        """`forward`'s signature and the names of its leading positional parameters (None if it takes *args), kept."""
-        sig = inspect.signature(forward)
-        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        params = list(sig.parameters.values())
-        plain = all(p.kind != inspect.Parameter.VAR_POSITIONAL for p in params)
-        found = self._signatures[forward] = (sig, tuple(p.name for p in params if p.kind in kinds) if plain else None)
-        return found
-
-
 def output_cache(out: Any) -> Any:
     """The KV cache a forward returned: a model output's `cache` (`past_key_values` before transformers 5), or a
     cache among a tuple's items (`return_dict=False`); None without one.
@@ -255,21 +92,6 @@ def output_cache(out: Any) -> Any:
     if isinstance(out, tuple | list):
         return next((item for item in out if callable(getattr(item, "get_seq_length", None))), None)
     return None
-
-
-def _forget(owners: dict, key: int, ref: weakref.ref) -> None:
-    if key in owners and owners[key][0] is ref:
-        del owners[key]
-
-
-def _bind(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by parameter name as `inspect` binds them, those of a `**kwargs` parameter among them (a
-    wrapper's keyword arguments, flattened)."""
-    bound = dict(sig.bind_partial(*args, **kwargs).arguments)
-    for p in sig.parameters.values():
-        if p.kind == inspect.Parameter.VAR_KEYWORD and p.name in bound:
-            return {**bound, **bound.pop(p.name)}
-    return bound
 
 
 def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:

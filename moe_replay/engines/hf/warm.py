@@ -1,7 +1,7 @@
 """`keep_warm`: what the contexts on one model learn, kept across them only while a scope the user opens is open.
 
 A context learns about the model it hooks: the walk of its modules (layout.py), facts about its router classes
-(facts.py), its forwards' parsed signatures (steps.py) and the hub with its wrappers (hub.py). Without a scope all of
+(facts.py), its forwards' parsed signatures (tracker.py) and the hub with its wrappers (hub.py). Without a scope all of
 it belongs to the open contexts and goes with the last one: nothing of moe-replay stays on the model. Inside `with
 keep_warm(model):` it is kept for the next context (an RL loop opens one per minibatch or log-prob chunk), as torch's
 `parametrize.cached()` keeps its caches; a copy or a saved model made inside the scope carries none of it.
