@@ -136,23 +136,27 @@ def continues(stream: Stream, sequences: torch.Tensor) -> None:
     the start of its `sequences`, the stream's last `out.sequences`: the cache holds those tokens, row by row (a
     reordered cache, or a turn's input that edits the history, would place routes on other tokens)."""
     last = stream.sequences
-    n = last.shape[1] if last is not None else 0
-    if last is None or sequences.shape[0] != last.shape[0] or sequences.shape[1] < n:
-        found = "no earlier generate" if last is None else f"{tuple(last.shape)}"
-        stream.problem = ValueError(
-            f"a generate continued a kept KV cache whose conversation's last out.sequences are {found}, but it "
-            f"returned {tuple(sequences.shape)}: continue a kept cache with the same rows"
+    problem = None
+    if last is None:
+        problem = (
+            "the cache was filled by a plain forward, not a generate: continue a kept cache from generate to generate"
         )
-        raise stream.problem
-    differ = (sequences[:, :n] != last.to(sequences.device)).any(1)
-    if differ.any():
-        row = int(differ.nonzero()[0])
-        col = int((sequences[row, :n] != last[row].to(sequences.device)).nonzero()[0])
-        stream.problem = ValueError(
-            f"a generate continued a kept KV cache, but its row {row} differs at position {col} from the tokens the "
-            f"cache holds (the last generate's out.sequences): a cache reordered or a history edited would put "
-            "routes on other tokens; give each turn the last turn's out.sequences + the new tokens, rows in order"
+    elif sequences.shape[0] != last.shape[0] or sequences.shape[1] < last.shape[1]:
+        problem = (
+            f"it returned {tuple(sequences.shape)} but the last generate's out.sequences are {tuple(last.shape)}: "
+            "continue a kept cache with the same rows"
         )
+    else:
+        differ = sequences[:, : last.shape[1]] != last.to(sequences.device)
+        if differ.any():
+            row, col = (int(x) for x in differ.nonzero()[0])
+            problem = (
+                f"its row {row} differs at position {col} from the tokens the cache holds (the last generate's "
+                "out.sequences): a cache reordered or a history edited would put routes on other tokens; give each "
+                "turn the last turn's out.sequences + the new tokens, rows in order"
+            )
+    if problem is not None:
+        stream.problem = ValueError(f"a generate continued a kept KV cache, but {problem}")
         raise stream.problem
 
 

@@ -62,8 +62,8 @@ class Session:
         self.lane_step = None
 
     def remove(self, handler: Recorder | Replayer) -> bool:
-        """Remove a closing context's `handler` and drop its queued calls (hand the held steps over first): whether
-        no context is left open."""
+        """Remove a closing context's `handler` and drop its queued calls (the hub hands the held steps over
+        first): whether no context is left open."""
         for group in (self.recorders, self.replayers):
             if any(h is handler for h in group):
                 group[:] = [h for h in group if h is not handler]

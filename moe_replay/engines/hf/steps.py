@@ -124,10 +124,10 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
         try:
             out = inner(*args, **kwargs)
         except BaseException:
-            tracker.depth -= 1
             session.step_failed(step)  # never backwarded, nor recorded
             raise
-        tracker.depth -= 1
+        finally:
+            tracker.depth -= 1
         if tracker.cache is None:  # the cache a forward made is its stream's too (`out.cache` fed back)
             tracker.own(output_cache(out))
         session.step_ended(step)  # the recorders take its router calls, a generate's decode steps a few at a time

@@ -52,9 +52,8 @@ class Stream:
     end: int | None = None  # positions kept (generate(synced_gpus=True) drops the dummy steps past the output)
     # (first column, bool [B, n]: False at the prompt's padding, or at and after a row's EOS) per mask generate left
     keep: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    sequences: torch.Tensor | None = (
-        None  # the last generate's out.sequences (a kept cache's turn must start with them)
-    )
+    # the last generate's out.sequences (the next turn over its kept KV cache must start with them)
+    sequences: torch.Tensor | None = None
 
     def take(
         self, step: Step, names: tuple[str, ...], indices: tuple[torch.Tensor, ...], versions: tuple[int | None, ...],
