@@ -50,10 +50,10 @@ class RouterCall:
         plan = self.plan
         if plan is None:
             return
-        check_experts(self.layer, self.num_experts, plan)
         for s in self.selectors:
             if s.applied():
                 return
+        check_experts(self.layer, self.num_experts, plan)  # (the likeliest reason, named first)
         raise not_applied(self.layer, self.site.router, plan, self.step.tokens, self._seen())
 
     def redirected_topk(self, *args: Any, **kwargs: Any) -> Any:
@@ -85,7 +85,9 @@ def _inside() -> bool:
 
 
 def check_experts(layer: str, num_experts: int | None, plan: Plan) -> None:
-    """Raise `ReplayError` if the router's E (read from its logits; None: unknown) is not the routes' E."""
+    """Raise `ReplayError` if the router's E (read from its logits; None: unknown) is not the routes' E. Asked of a
+    replay that was not applied: a selector forces only a selection over the plan's E scores of each token, so one
+    that was applied had the routes' E."""
     if num_experts is not None and num_experts != plan.num_experts:
         raise ReplayError(
             f"router {layer!r} has E={num_experts} experts but the routes hold E={plan.num_experts} for it"
@@ -132,7 +134,7 @@ def outputs(output: Any) -> tuple | list:
 
 def num_scores(output: Any, index: int) -> int:
     """E: the last dim of the router logits, at `index` in the router's output (registered by the family)."""
-    logits = output[index] if isinstance(output, tuple | list) else output
+    logits = output[index] if isinstance(output, (tuple, list)) else output
     return int(logits.shape[-1])
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ class Plan:
     `source` is the replayer that made it, for layer `layer` of its routes. With `observe`, `on_live` is called once
     per forward call (not its recompute) with the experts the router would have picked live and those it was given,
     both [N, K] (`replay_routes(..., track_live=True)`). `groups_used(G)` is the most of G expert groups any
-    recorded token of this layer uses (checked by group-limited routers).
+    recorded token of this layer uses (checked by group-limited routers). `device` is the indices' device.
     """
 
     indices: torch.Tensor
@@ -26,6 +26,10 @@ class Plan:
     source: Any = None
     layer: int = 0
     observe: bool = False
+    device: torch.device = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.device = self.indices.device  # (read once per plan: a tensor's device is made anew at each read)
 
     def on_live(self, live: torch.Tensor, used: torch.Tensor) -> None:
         self.source.tally(self.layer, self.mask, live, used)

@@ -91,10 +91,11 @@ class RouteReplayer:
         self._mask_copy: tuple[int | None, torch.Tensor] | None = None  # a device mask's host copy (`_host_mask`)
         self._last: tuple[tuple[int, ...], Span] | None = None  # the last span's key and conversion: forwards repeat
         self._tensors = (routes.indices, routes.mask)  # what the caches below were made from (`_step_span`)
-        self._covered: set[tuple[int, int, int]] = set()  # (start, end, layer) spans the forwards replayed
+        self._covered: dict[tuple[int, int], set[int]] = {}  # (start, end) of the forwards replayed -> their layers
         self._groups: dict[tuple[int, int], int] = {}  # (layer, G): most expert groups one recorded token uses
         self._columns: dict[str, int] = {}
-        self._span: tuple[Step, Span | None] | None = None  # the current forward's step and span (`plan`)
+        # the current forward's step, span and the set of `_covered` its replayed layers go in (`plan`)
+        self._span: tuple[Step, Span | None, set[int]] | None = None
         # recorded positions that a forward's attention mask marks as padding, summed on the device (`_count_padding`)
         self._at_padding: torch.Tensor | None = None
 
@@ -129,24 +130,24 @@ class RouteReplayer:
         self._check_padding()
 
     def plan(self, name: str, step: Step) -> Plan | None:
-        r = self.routes
         layer = self._columns.get(name)
         if layer is None:
-            raise ReplayError(f"router call {name!r} has no routes: the routes hold layers {r.layer_names}")
+            raise ReplayError(f"router call {name!r} has no routes: the routes hold layers {self.routes.layer_names}")
         span = self._span
         if span is None or span[0] is not step:  # the first router call of this forward: check and slice once
-            span = self._span = (step, self._step_span(step))
-            if span[1] is not None and step.has_mask:
-                self._count_padding(span[1].mask, step)
+            found = self._step_span(step)
+            if found is not None and step.has_mask:
+                self._count_padding(found.mask, step)
+            span = self._span = (step, found, self._covered.setdefault((step.start, step.start + step.length), set()))
         found = span[1]
         if found is None:
             return None
-        start, end = step.start, step.start + step.length
-        self._covered.add((start, end, layer))
+        span[2].add(layer)
         if found.plans is not None:
             return found.plans[layer]
+        r, start = self.routes, step.start
         info = r.layers[layer]
-        indices = r.indices[:, start:end, layer].long().reshape(step.tokens, info.top_k)
+        indices = r.indices[:, start : start + step.length, layer].long().reshape(step.tokens, info.top_k)
         return Plan(indices, found.mask, info.num_experts, info.top_k, found.all_recorded, self, layer, self.track_live)
 
     def _step_span(self, step: Step) -> Span | None:
@@ -267,17 +268,19 @@ class RouteReplayer:
     def _check_consumed(self) -> None:
         T, L = self.routes.seq_len, len(self.routes.layers)
         covered = self._covered
-        if all((0, T, layer) in covered for layer in range(L)):
+        whole = covered.get((0, T), ())
+        if all(layer in whole for layer in range(L)):
             return  # the commonest case: each layer replayed over the whole routes, once (or the same span again)
         reach = [0] * L  # the common case, checked without tensors: spans from 0 that cover [0, T) for every layer
-        for start, end, layer in sorted(self._covered):
+        for start, end, layer in sorted((*span, layer) for span, layers in covered.items() for layer in layers):
             if start <= reach[layer]:
                 reach[layer] = max(reach[layer], end)
         if min(reach, default=T) >= T:
             return
         covered = torch.zeros(self.routes.seq_len, len(self.routes.layers), dtype=torch.bool)
-        for start, end, layer in self._covered:
-            covered[start:end, layer] = True
+        for (start, end), layers in self._covered.items():
+            if layers:
+                covered[start:end, sorted(layers)] = True
         needed = self._host_mask().any(0)  # [T]
         missing = needed[:, None] & ~covered  # [T, L]
         if missing.any():

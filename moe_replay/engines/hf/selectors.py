@@ -95,21 +95,31 @@ def over_each_token(x: torch.Tensor, tokens: int) -> bool:
         >>> over_each_token(torch.zeros(2, 3, 8), 6)
         True
     """
-    return x.numel() == tokens * x.shape[-1]
+    shape = x.shape  # (read once: each read of a tensor's shape makes a new torch.Size)
+    return shape.numel() == tokens * shape[-1]
 
 
 def replaces(plan: Plan, tokens: int, x: torch.Tensor, k: int) -> bool:
     """Whether a top-k (over the last dim) of `x` is the selection `plan` replaces: k = K of the plan's E scores of
-    each of the forward's `tokens` tokens (the one rule of which top-k a replay forces)."""
-    return k == plan.top_k and x.shape[-1] == plan.num_experts and over_each_token(x, tokens)
+    each of the forward's `tokens` tokens (the one rule of which top-k a replay forces: `over_each_token`'s rows, E
+    wide).
+
+    Example:
+        >>> replaces(plan, 6, torch.zeros(2, 3, plan.num_experts), plan.top_k)  # doctest: +SKIP
+        True
+    """
+    shape = x.shape
+    E = plan.num_experts
+    return k == plan.top_k and shape[-1] == E and shape.numel() == tokens * E
 
 
 def topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, bool]:
     """(input, k, whether the top-k runs over the last dim) of a `topk` call."""
     x: torch.Tensor = args[0]
-    k = int(args[1] if len(args) > 1 else kwargs["k"])
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-    return x, k, dim == -1 or dim == x.dim() - 1
+    n = len(args)
+    k = args[1] if n > 1 else kwargs["k"]
+    dim = args[2] if n > 2 else kwargs.get("dim", -1)
+    return x, k if type(k) is int else int(k), dim == -1 or dim == x.dim() - 1
 
 
 class TopK(Selector):
@@ -195,7 +205,7 @@ class GroupTopK(Selector):
                 f"{plan.groups_used(G)} groups for one token"
             )
         indices = plan.indices
-        if indices.device != x.device:
+        if x.device != plan.device:
             indices = indices.to(x.device)
         steered = flat.scatter(-1, indices // (plan.num_experts // G), float("inf"))  # the recorded experts' groups
         if not plan.all_recorded:
@@ -229,9 +239,9 @@ def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Pla
     """`topk(x)` that returns the plan's experts with values gathered from `x` (live where the plan's mask is False);
     with `observe`, hands the live and the forced picks to `plan.on_live`."""
     idx = plan.indices  # [N, K]
-    if idx.device != x.device:
+    if x.device != plan.device:
         idx = idx.to(x.device)
-    if x.dim() != 2:
+    if x.ndim != 2:
         idx = idx.reshape(*x.shape[:-1], plan.top_k)
     live = None
     if not plan.all_recorded:

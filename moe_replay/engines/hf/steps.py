@@ -86,9 +86,9 @@ def output_cache(out: Any) -> Any:
         >>> output_cache((torch.zeros(1),)) is None
         True
     """
-    if isinstance(out, dict):  # (a ModelOutput: read as a dict, its deprecated attribute names warn)
-        found = out.get("cache")
-        return out.get("past_key_values") if found is None else found
+    if isinstance(out, dict):  # (a ModelOutput, read as the dict it is: its own `get` maps and warns of old names)
+        found = dict.get(out, "cache")
+        return dict.get(out, "past_key_values") if found is None else found
     if isinstance(out, tuple | list):
         return next((item for item in out if callable(getattr(item, "get_seq_length", None))), None)
     return None

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .call import InterceptMode, begin_call, end_call, num_scores, outputs
-from .lane import lane_path
+from .lane import LaneTopK, lane_path
 from .paths import AS_IS, HOLD, LANE, MODE, READ, REDIRECT, before_call, in_call
 from .recompute import at_router
 from .redirect import run_redirected
@@ -21,15 +21,17 @@ from .stream import hold
 
 class Wrapped:
     """What every path of one wrapped router (or MoE block) takes: the hub, the router's index and module, its name,
-    the forward wrapped, the redirected copy of the router's forward (redirect.py; None if it has none) and where its
-    logits are in its output (None: this wraps the MoE block)."""
+    the forward wrapped, the redirected copy of the router's forward (redirect.py; None if it has none), where its
+    logits are in its output (None: this wraps the MoE block) and its lane's top-k (lane.py)."""
 
-    __slots__ = ("hub", "i", "router", "name", "inner", "own_copy", "logits_index")
+    __slots__ = ("hub", "i", "router", "name", "inner", "own_copy", "logits_index", "lane", "lane_topk")
 
     def __init__(self, hub: Any, i: int, inner: Callable[..., Any], logits_index: int | None) -> None:
         self.hub, self.i, self.inner, self.logits_index = hub, i, inner, logits_index
         self.router, self.name = hub.sites[i].router, hub.sites[i].name
         self.own_copy = hub.redirects.forward(self.router, inner) if logits_index is not None else None
+        self.lane = LaneTopK()  # the redirected top-k of its calls on the lane (lane.py), and that top-k bound
+        self.lane_topk = self.lane.topk
 
 
 def router_wrapper(hub: Any, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:

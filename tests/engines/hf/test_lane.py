@@ -3,12 +3,16 @@ like the general path, leaves the lane whenever the call has more to do, and ref
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import left_padded, tiny_qwen3_moe
 
 from moe_replay import LayerInfo, ReplayError, Routes, UnsupportedModelError, keep_warm, record_routes, replay_routes
 from moe_replay.engines.hf import call as call_module
+from moe_replay.engines.hf import lane as lane_module
 from moe_replay.engines.hf import paths
 
 pytestmark = pytest.mark.usefixtures("auto_path")  # (tests of which path a call takes)
@@ -145,6 +149,33 @@ def test_the_lane_refuses_routes_it_cannot_apply(warm, calls):
         with torch.no_grad(), replay_routes(model, rec.routes):
             model(ids, attention_mask=mask)
     assert calls == []  # refused in the lane too
+
+
+def test_a_lane_call_that_raises_holds_nothing_of_its_replay_afterwards(warm, calls, monkeypatch):
+    """Each router keeps its lane's top-k across calls (a `keep_warm` scope keeps the wrappers): a call that raises
+    inside the router lets go of its plan all the same, so the closed context and its routes can be freed."""
+    model = tiny_qwen3_moe()
+    warm(model)
+    ids, mask = left_padded(2, 8, [0, 3])
+    _, routes = learned(model, ids, mask)
+    calls.clear()
+
+    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("raised inside the router")
+
+    monkeypatch.setattr(lane_module, "forced_topk", failing)
+    ctx = replay_routes(model, routes)
+    with pytest.raises(RuntimeError, match="raised inside the router"):
+        with torch.no_grad(), ctx:
+            model(ids, attention_mask=mask)
+    assert calls == []  # it raised in the lane
+    gone = weakref.ref(ctx)
+    del ctx
+    gc.collect()
+    assert gone() is None
+    monkeypatch.undo()
+    with torch.no_grad(), replay_routes(model, routes):  # and the next call replays
+        model(ids, attention_mask=mask)
 
 
 def zero_indices(module, inputs, out) -> None:  # noqa: ANN001
