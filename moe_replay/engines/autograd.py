@@ -44,6 +44,20 @@ def version(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def versions(tensors: list[torch.Tensor]) -> list[int | None]:
+    """`version` of each of `tensors`, read in one pass (a recorder compares the version of every held top-k as it
+    copies them).
+
+    Example:
+        >>> versions([torch.zeros(2), torch.zeros(2).add_(1)])
+        [0, 1]
+    """
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # an inference tensor among them
+        return [version(t) for t in tensors]
+
+
 def inside_reentrant_checkpoint() -> bool:
     """Whether a reentrant checkpoint's first forward (`CheckpointFunction.forward`) is on the call stack.
 

@@ -189,7 +189,7 @@ def end_call(hub: Any, session: Any, call: RouterCall) -> None:
     i, router = call.index, call.site.router
     facts = hub.facts[i]
     if call.held is not None:  # recorded from the router's output
-        session.take((call.layer, *call.held, call.num_experts))
+        session.taken.append((call.layer, *call.held, call.num_experts))
         return
     if not hub.router_only[i] and call.active:
         hub.learned_topk_in_router(i, not call.outside_router)
@@ -208,4 +208,4 @@ def end_call(hub: Any, session: Any, call: RouterCall) -> None:
         facts.output_index[router.training] = next(
             (j for j, o in enumerate(outputs(call.router_out)) if o is idx and kept), None
         )
-    session.take((call.layer, held, version, call.num_experts))
+    session.taken.append((call.layer, held, version, call.num_experts))

@@ -5,7 +5,7 @@ kept across sessions only inside a `keep_warm` scope); what the open contexts sh
 as the first context opens and dropped as the last one closes; one forward's positions are a `Step` (steps.py); one
 router call is a `RouterCall` (call.py). The wrappers read a session's fields; every change to them goes through its
 methods, except the two per-router slots of the call running now (`calls`, `in_router`), which `wrapper.call_path`
-alone writes as a call opens and closes.
+alone writes as a call opens and closes, and `taken`, to which a path that recorded a call appends it.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ class Session:
         self.calls: list[RouterCall | None] = [None] * n  # the call open now, per router (wrapper.call_path)
         self.in_router = [0] * n  # router forwards on the stack, per router (wrapper.call_path)
         self._own_methods: list[bool | None] = [None] * n  # `reads_output`, once asked
-        self.taken: list[Taken] = []  # recorded router calls of the running step
+        # recorded router calls of the running step: (layer, its top-k's indices, their version, E), appended by the
+        # paths that record (wrapper.read_output, call.end_call)
+        self.taken: list[Taken] = []
         self.held: list[tuple[Step, list[Taken]]] = []  # steps that returned, not yet handed over
         self.lane_step: Step | None = None  # the running step, once its replayed calls can all take the lane (lane.py)
         self.generating = 0  # generate calls on the stack (generation.py)
@@ -95,10 +97,6 @@ class Session:
         n = n + 1 if last is step else 1
         self._repeats[i] = (step, n)
         return f"{self.names[i]}#{n}"
-
-    def take(self, taken: Taken) -> None:
-        """Keep a recorded router call of the running step: (layer, its top-k's indices, their version, E)."""
-        self.taken.append(taken)
 
     def recompute_queue(self, i: int) -> RecomputeQueue:
         """Router `i`'s queue of replayed calls that the backward will recompute (recompute.py)."""

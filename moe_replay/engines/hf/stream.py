@@ -11,7 +11,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ...routes import index_dtype
-from ..autograd import version
+from ..autograd import versions
 from .steps import Step, extends_generation
 
 HOLD = 32  # decode steps held before their indices are copied (int64 [B, K] per layer each, as the routers made them)
@@ -100,11 +100,11 @@ class Stream:
             stacked = torch.stack([p.reshape(B, t, ks[0]) for p in pieces], -2)
         dtype = index_dtype(max(experts[name] for name in names))
         stacked = stacked if stacked.dtype == dtype else stacked.to(dtype)
-        versions = [v for _, vs in held for v in vs]
-        now = [version(p) for p in pieces]  # (None for an inference tensor)
+        then = [v for _, vs in held for v in vs]
+        now = versions(pieces)  # (None for an inference tensor)
         changed = None
-        if now != versions:  # (a copy made at the router call has no version to compare: None)
-            changed = next((k for k, (a, b) in enumerate(zip(now, versions, strict=True)) if b not in (None, a)), None)
+        if now != then:  # (a copy made at the router call has no version to compare: None)
+            changed = next((k for k, (a, b) in enumerate(zip(now, then, strict=True)) if b not in (None, a)), None)
         if changed is not None:
             self.problem = UnsupportedModelError(
                 f"router {names[changed % L]!r}'s top-k indices were changed in place after it returned them, before "

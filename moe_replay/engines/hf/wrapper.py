@@ -75,8 +75,8 @@ def read_output(w: Wrapped, session: Session, step: Step, args: tuple, kwargs: d
     """
     out = w.inner(*args, **kwargs)
     found = out if type(out) is tuple else outputs(out)
-    indices = found[w.hub.record_from[w.i][w.router.training]]
-    session.take((session.layer(w.i, step), *hold(indices), found[w.logits_index].shape[-1]))
+    indices, version = hold(found[w.hub.record_from[w.i][w.router.training]])
+    session.taken.append((session.layer(w.i, step), indices, version, found[w.logits_index].shape[-1]))
     return out
 
 
