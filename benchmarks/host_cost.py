@@ -5,9 +5,9 @@ adds per router call, writes a CSV and ends with `targets met: N/M`.
 
     python benchmarks/host_cost.py           # benchmarks/results_host_cost.csv (3-15 minutes on 2 CPU cores)
     python benchmarks/host_cost.py --quick   # fewer repeats (a few minutes); writes results_host_cost_quick.csv
-    python benchmarks/host_cost.py --count   # both models (about 75 minutes): benchmarks/results_host_instructions.csv
-    python benchmarks/host_cost.py --count --models tiny --works "record generate"   # some rows (tiny: about 15
-                                             # minutes); the rows run replace the same rows in the CSV
+    python benchmarks/host_cost.py --count   # both models (about 60 minutes): benchmarks/results_host_instructions.csv
+    python benchmarks/host_cost.py --count --models tiny --works "record generate"   # some rows (tiny: about 10
+                                             # minutes a seed); the rows run replace the same rows in the CSV
     python benchmarks/host_cost.py --count --models group   # group-limited routing (DeepSeek-V3 of the tiny shape)
     python benchmarks/host_cost.py --calls --top 20   # calls added on the tiny model, the 20 largest named (seconds)
 
@@ -20,10 +20,13 @@ A/A row compares two copies of the plain work from the same loop. Times are the 
 thread (`time.thread_time`), the ms columns medians over rounds; `--device cuda`: wall seconds between
 synchronizations on the GPU. Extra host time per router call = (ratio - 1) x the plain work's median / the router
 calls in the work (L per forward; L per decode step under generate).
-`--count`: each work in its own process under callgrind (benchmarks/callgrind.py; needs valgrind and a C compiler),
-N repetitions counted after the imports, the build and 3 uncounted ones. Counts do not move with the machine's
-state; the only noise is when Python's garbage collector runs. `--no-gc` turns it off while counting: exact repeats,
-to compare two versions of the code (the CSV's rows keep it on, as users run).
+`--count`: ours and plain counted in turn in one process under callgrind per hash seed (benchmarks/callgrind.py;
+needs valgrind and a C compiler), each round of each counted on its own after the imports, the build and 3 uncounted
+ones: both see one memory layout, which moves a count by ~0.5% between processes, as much as a replay adds. A row is
+the mean over rounds and seeds of ours - plain per router call, with its standard error (`--seeds N`: more of
+them). Counts do not move with the machine's state; the rest of the noise is where Python's garbage collector runs
+(`--no-gc` turns it off while counting, to compare two versions of the code; the CSV's rows keep it on, as users
+run).
 `--calls`: the Python and C calls (`sys.setprofile`) and torch functions (a `TorchFunctionMode`) in one repetition
 of each work on the tiny model after warm-up, ours against plain: the same every run, and `--top N` names them.
 """
@@ -42,11 +45,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from callgrind import build_helper, counted, run_counted
+from callgrind import build_helper, counted_together, run_together
 from run import REALISTIC, TINY, build, generate_fn, sync, write_rows
 from torch.overrides import TorchFunctionMode
 
-from moe_replay import keep_warm, record_routes, replay_routes
+import moe_replay
+from moe_replay import record_routes, replay_routes
+
+# (an older checkout on PYTHONPATH, counted by this harness for a before/after row, may predate `keep_warm`: its hub
+# kept what contexts learned on the model, as a scope does now)
+keep_warm = getattr(moe_replay, "keep_warm", lambda model: contextlib.nullcontext())
 
 TARGETS = {  # issue 18: (work, model) -> largest ratio
     ("replay forward", "tiny"): 1.08,
@@ -57,11 +65,12 @@ TARGETS = {  # issue 18: (work, model) -> largest ratio
     ("record generate", "realistic"): 1.02,
 }
 HELD = 10  # forwards per held-open context in the second replay row
-COUNTED = {  # --count: work -> (ours, plain, repetitions on the tiny model, router calls per repetition per layer)
-    "replay forward": ("ours", "plain", 5, 1),
-    f"replay forward, {HELD} per context": ("held", "plain_held", 2, HELD),
-    "record generate": ("record", "generate", 2, 32),
-    "replay forward, cold": ("ours", "plain", 5, 1),  # outside any keep_warm scope: each context walks the model
+COUNTED = {  # --count: work -> (ours, plain, rounds on the tiny model (half on the realistic one), router calls per
+    # repetition per layer)
+    "replay forward": ("ours", "plain", 6, 1),
+    f"replay forward, {HELD} per context": ("held", "plain_held", 4, HELD),
+    "record generate": ("record", "generate", 4, 32),
+    "replay forward, cold": ("ours", "plain", 6, 1),  # outside any keep_warm scope: each context walks the model
 }
 LAYERS = {"tiny": 4, "realistic": 8, "group": 4}
 
@@ -196,27 +205,33 @@ def timed(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
 
 
 def count(args: argparse.Namespace) -> int:
-    """--count: instructions per repetition of each work, ours and plain, each in a fresh process under callgrind."""
+    """--count: instructions of each work, ours and plain counted in turn in one fresh process under callgrind per
+    hash seed (their difference is then free of the layout noise between processes): per router call, the mean of
+    the rounds' differences and its standard error."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         helper = build_helper(Path(tmp))
         for name in args.models:
             for work in args.works:
                 ours, plain, reps, per_layer = COUNTED[work]
-                reps = max(1, reps // (2 if name == "realistic" else 1))
+                reps = max(2, reps // (2 if name == "realistic" else 1))
                 flag = "no-gc" if args.no_gc else "gc"
                 scope = "cold" if work.endswith("cold") else "warm"
-                a, b = (  # (averaged over hash seeds: one seed's layout shifts a row by ~0.5%)
-                    sum(counted(__file__, ["--_child", w, name, str(reps), helper, flag, scope], reps, seed)
-                        for seed in range(args.seeds)) / args.seeds
-                    for w in (ours, plain)
-                )  # fmt: skip
+                child = ["--_child", f"{ours},{plain}", name, str(reps), helper, flag, scope]
+                a, b = [], []
+                for seed in range(args.seeds):
+                    found = counted_together(__file__, child, [ours, plain], reps, seed)
+                    a, b = a + found[ours], b + found[plain]
+                calls = LAYERS[name] * per_layer
+                extra = [(x - y) / calls / 1e3 for x, y in zip(a, b, strict=True)]
                 row = {
                     "work": f"{work}, {name}, B=1",
-                    "ours_minstr": round(a / 1e6, 3),
-                    "plain_minstr": round(b / 1e6, 3),
-                    "ratio": round(a / b, 4),
-                    "extra_kinstr_per_router_call": round((a - b) / (LAYERS[name] * per_layer) / 1e3, 1),
+                    "ours_minstr": round(statistics.mean(a) / 1e6, 3),
+                    "plain_minstr": round(statistics.mean(b) / 1e6, 3),
+                    "ratio": round(sum(a) / sum(b), 4),
+                    "extra_kinstr_per_router_call": round(statistics.mean(extra), 1),
+                    "standard_error": round(statistics.stdev(extra) / len(extra) ** 0.5, 1),
+                    "rounds": len(extra),
                 }
                 rows.append(row)
                 print(" | ".join(str(v) for v in row.values()), flush=True)
@@ -225,7 +240,7 @@ def count(args: argparse.Namespace) -> int:
         with out.open() as f:
             done = {r["work"] for r in rows}
             rows = [r for r in csv.DictReader(f) if r["work"] not in done] + rows
-    write_rows(out, rows)
+    write_rows(out, rows, list(rows[-1]))  # (the columns of the rows just counted)
     print(f"wrote {out}")
     return 0
 
@@ -312,7 +327,7 @@ def main() -> int:
         torch.set_num_threads(1)
         model = model_named(name)
         with keep_warm(model) if scope == "warm" else contextlib.nullcontext():
-            run_counted(works(model)[work], int(reps), helper, collect=flag == "gc")
+            run_together([works(model)[w] for w in work.split(",")], int(reps), helper, collect=flag == "gc")
         return 0
     with contextlib.ExitStack() as stack:  # the keep_warm scopes of the models measured
         return count(args) if args.count else calls(args.top, stack) if args.calls else timed(args, stack)
