@@ -77,6 +77,16 @@ def together_order(works: list, reps: int) -> list:
 def run_together(fns: list[Callable[[], object]], reps: int, helper: str, collect: bool = False) -> None:
     """In the child under valgrind: each of `fns` three times uncounted, then `reps` rounds of each counted on its own
     (`together_order`); `collect` as for `run_counted`."""
+    lib = _warmed(fns, helper, collect)
+    for fn in together_order(fns, reps):
+        lib.start()
+        fn()
+        lib.stop()
+
+
+def _warmed(fns: list[Callable[[], object]], helper: str, collect: bool) -> ctypes.CDLL:
+    """Run each of `fns` three times uncounted and load the helper; with `collect` False the garbage collector is
+    run, then turned off while counting."""
     for fn in fns:
         for _ in range(3):
             fn()
@@ -84,10 +94,7 @@ def run_together(fns: list[Callable[[], object]], reps: int, helper: str, collec
     if not collect:
         gc.collect()
         gc.disable()
-    for fn in together_order(fns, reps):
-        lib.start()
-        fn()
-        lib.stop()
+    return lib
 
 
 def _environment(seed: int | None) -> dict[str, str]:
@@ -114,12 +121,7 @@ def build_helper(where: Path) -> str:
 def run_counted(fn: Callable[[], object], reps: int, helper: str, collect: bool = False) -> None:
     """In the child under valgrind: `fn` three times uncounted, then `reps` times counted; with `collect` False the
     garbage collector is run, then turned off while counting (counts that repeat exactly)."""
-    for _ in range(3):
-        fn()
-    lib = ctypes.CDLL(helper)
-    if not collect:
-        gc.collect()
-        gc.disable()
+    lib = _warmed([fn], helper, collect)
     lib.start()
     for _ in range(reps):
         fn()
