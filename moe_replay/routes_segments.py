@@ -118,6 +118,11 @@ def _flat(indices: torch.Tensor) -> torch.Tensor:
     return rows.view(torch.int64) if (rows.shape[1] * rows.element_size()) % 8 == 0 else rows
 
 
+def _is_count(value: object) -> bool:
+    """Whether `value` is an int >= 0 (a policy version or an age; a bool is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _per_row(value: int | Sequence[int] | torch.Tensor, B: int, name: str, s: int) -> torch.Tensor:
     out = torch.as_tensor(value, dtype=torch.long).cpu()
     if out.dim() == 0:
@@ -141,7 +146,7 @@ def _check(seg: Segment, s: int, segments: list[Segment], B: int) -> None:
             f"segment {s}: routes are B={seg.routes.batch_size}, T={seg.routes.seq_len} and its attention_mask "
             f"{tuple(seg.attention_mask.shape)}, but the assembled batch has B={B} conversations"
         )
-    if isinstance(seg.version, bool) or not isinstance(seg.version, int) or seg.version < 0:
+    if not _is_count(seg.version):
         raise ValueError(f"segment {s}: version must be an int >= 0 (a policy version), got {seg.version!r}")
     if s and seg.version < segments[s - 1].version:
         raise ValueError(
@@ -162,7 +167,7 @@ def fresh(routes: Routes, current: int, max_age: int) -> Routes:
     if routes.version is None:
         raise ValueError("fresh needs routes with versions (assemble_routes gives them); these have none")
     for name, value in (("current", current), ("max_age", max_age)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if not _is_count(value):
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     ahead = routes.mask & (routes.version > current)
     if ahead.any():

@@ -30,8 +30,9 @@ class Wrapped:
         self.hub, self.i, self.inner, self.logits_index = hub, i, inner, logits_index
         self.router, self.name = hub.sites[i].router, hub.sites[i].name
         self.own_copy = hub.redirects.forward(self.router, inner) if logits_index is not None else None
-        self.lane = LaneTopK()  # the redirected top-k of its calls on the lane (lane.py), and that top-k bound
-        self.lane_topk = self.lane.topk
+        # the redirected top-k of its calls on the lane (lane.py), and that top-k bound: a router with a redirected copy
+        self.lane = LaneTopK() if self.own_copy is not None else None
+        self.lane_topk = None if self.lane is None else self.lane.topk
 
 
 def router_wrapper(hub: Any, i: int, inner: Callable[..., Any], logits_index: int | None) -> Callable[..., Any]:
