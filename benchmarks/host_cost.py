@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import csv
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -45,9 +44,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from call_counts import TorchCalls, python_calls
 from callgrind import build_helper, counted_together, run_together
 from run import REALISTIC, TINY, build, generate_fn, sync, write_rows
-from torch.overrides import TorchFunctionMode
 
 import moe_replay
 from moe_replay import record_routes, replay_routes
@@ -245,36 +244,6 @@ def count(args: argparse.Namespace) -> int:
     return 0
 
 
-class TorchCalls(TorchFunctionMode):
-    """Counts the torch functions called while it is active, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: Counter[str] = Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.seen[getattr(func, "__name__", str(func))] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def python_calls(fn: Callable[[], object]) -> Counter[str]:
-    """Calls made while `fn()` runs, by 'file:function' (C functions as 'file:C:name', file being the caller's)."""
-    seen: Counter[str] = Counter()
-
-    def profile(frame, event, arg) -> None:  # noqa: ANN001
-        if event == "call":
-            seen[f"{frame.f_code.co_filename.rpartition('/')[2]}:{frame.f_code.co_name}"] += 1
-        elif event == "c_call":
-            seen[f"{frame.f_code.co_filename.rpartition('/')[2]}:C:{getattr(arg, '__qualname__', arg)}"] += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return seen
-
-
 def calls(top: int, stack: contextlib.ExitStack) -> int:
     """--calls: the calls and torch functions each work adds on the tiny model, per repetition and per router call."""
     torch.set_num_threads(1)
@@ -316,7 +285,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: thread_time sees all work)")
     ap.add_argument("--device", default="cpu", help="cuda: the same rows on a GPU, in wall seconds (synchronized)")
     ap.add_argument("--models", nargs="+", choices=list(LAYERS), default=["tiny", "realistic"], help="--count's models")
-    ap.add_argument("--works", nargs="+", choices=list(COUNTED), default=list(COUNTED), help="--count's (all three)")
+    ap.add_argument("--works", nargs="+", choices=list(COUNTED), default=list(COUNTED), help="--count's (all four)")
     ap.add_argument("--no-gc", action="store_true", help="--count: collector off while counting (exact repeats)")
     ap.add_argument("--seeds", type=int, default=1, help="--count: average over hash seeds 0..N-1 (default 1)")
     ap.add_argument("--top", type=int, default=0, help="--calls: also list the N functions that add the most calls")
