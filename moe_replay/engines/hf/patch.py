@@ -148,9 +148,12 @@ class Patches:
 
     def _reduce(self, module: nn.Module, protocol: int) -> Any:
         """`module.__reduce_ex__` (pickling, `torch.save`, `copy.copy`): its reduction with the patches suspended, its
-        state copied as it is then, so that a saved or copied model holds no patched method and no hub."""
+        state copied as it is then, so that a saved or copied model holds no patched method and no hub. The reduction
+        is the one the module has under these patches (another `Patches`' below them, a `keep_warm` scope's, leaves
+        its own out in turn), else its class's."""
         with self.suspended():
-            reduced = type(module).__reduce_ex__(module, protocol)
+            below = module.__dict__.get("__reduce_ex__")
+            reduced = below(protocol) if below is not None else type(module).__reduce_ex__(module, protocol)
             if isinstance(reduced, tuple) and len(reduced) > 2 and reduced[2] is module.__dict__:
                 reduced = (*reduced[:2], dict(module.__dict__), *reduced[3:])
         return reduced
