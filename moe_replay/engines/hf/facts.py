@@ -22,8 +22,9 @@ _MRO = attrgetter("__mro__")
 class RouterFacts:
     """Facts about one router class, learned from its calls (never from equal values).
 
-    - `topk_in_router`: its selecting top-k ran inside the router's own forward (not in the MoE block around it), so
-      interception can skip the block, whose experts run many ops. None until seen.
+    - `topk_in_router`: its selecting top-k ran inside the router's own forward (not in the MoE block around it) in
+      every call seen, so interception can skip the blocks, whose experts run many ops. None until seen; False once
+      one call's block selected on its own (the blocks of one router class may differ).
     - `output_index`: per training mode, the position j in the router's output that *is* the selecting top-k's
       indices tensor (None: no output is), so a recording without replay can read it and skip interception.
     - `redirect`: per training mode, how many top-k calls over each token's scores it makes, if every one is a

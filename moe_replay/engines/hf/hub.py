@@ -163,9 +163,11 @@ class RouterHub:
             table[i] = facts.output_index if read else None
 
     def learned_topk_in_router(self, i: int, inside: bool) -> None:
-        """What a call of router `i` showed (call.py): whether every top-k of its class runs inside the router, so
-        that its MoE block needs no wrapper (from the next install on)."""
-        self.facts[i].topk_in_router = inside
+        """What a call of router `i` showed (call.py): whether its top-k ran inside the router. Its class's fact holds
+        while every call of the class showed so (one MoE block that selects on its own keeps every block of the class
+        wrapped, from the next install on); this router's block needs no wrapper for the rest of the context."""
+        facts = self.facts[i]
+        facts.topk_in_router = inside and facts.topk_in_router is not False
         self.router_only[i] = inside and not self.general
 
     def _install(self) -> None:

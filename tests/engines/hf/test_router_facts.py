@@ -4,9 +4,12 @@ interception narrows to the router once learned, and what is learned is kept for
 
 from __future__ import annotations
 
-from helpers import left_padded, recorded, tiny_qwen3_moe
+import types
 
-from moe_replay import keep_warm, record_routes
+import torch
+from helpers import left_padded, perturb, recorded, tiny_qwen3_moe
+
+from moe_replay import keep_warm, record_routes, replay_routes
 
 
 def test_interception_narrows_to_the_router_unless_top_k_runs_in_the_block(qwen):
@@ -44,3 +47,38 @@ def test_what_contexts_learn_is_kept_only_inside_keep_warm(qwen):
             assert theirs.facts == {}  # another model of the same classes learns its own
             assert recorded(other, ids, mask).equal(first)
     assert set(qwen.__dict__) == before
+
+
+def _own_choice(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A Qwen3-MoE block's forward that picks its experts itself: the top-k of the negated router logits."""
+    batch, length, width = hidden_states.shape
+    flat = hidden_states.view(-1, width)
+    logits, _, _ = self.gate(flat)
+    weights, experts = torch.topk(-logits, self.gate.top_k, dim=-1)
+    return self.experts(flat, experts, weights.softmax(-1)).reshape(batch, length, width)
+
+
+def test_one_block_that_selects_on_its_own_keeps_every_block_of_its_router_class_wrapped(qwen, monkeypatch):
+    """Layer 0's MoE block selects its experts itself; layer 2's is the stock block, whose router selects. Inside
+    `keep_warm`, every context records and replays what the general path does (found by review: the last router to
+    run set its class's fact to "top-k inside the router", and the next context left layer 0's block unwrapped, so
+    its own choice went unrecorded and unreplayed, with no error)."""
+    block = qwen.model.layers[0].mlp
+    block.forward = types.MethodType(_own_choice, block)
+    ids, mask = left_padded(2, 5, [0, 1])
+    routes = recorded(qwen, ids, mask)
+    perturb(qwen)
+
+    def replayed() -> torch.Tensor:
+        with replay_routes(qwen, routes), torch.no_grad():
+            return qwen(ids, attention_mask=mask).logits
+
+    monkeypatch.setenv("MOE_REPLAY_PATH", "general")
+    want_routes, want_logits = recorded(qwen, ids, mask), replayed()
+    assert not want_routes.indices.equal(routes.indices)  # (the perturbed model routes otherwise live)
+    monkeypatch.delenv("MOE_REPLAY_PATH")
+    with keep_warm(qwen) as scope:
+        for _ in range(3):
+            assert recorded(qwen, ids, mask).equal(want_routes)
+            assert torch.equal(replayed(), want_logits)
+        assert [f.topk_in_router for f in scope.facts.values()] == [False]
