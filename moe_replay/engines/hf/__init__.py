@@ -2,7 +2,7 @@
 
 Layout (docs/design.md walks one router call through it): `discover` finds the routers; `hub` holds the hooks of one
 model (`patch`), and its routers' `wrapper` runs each router call (`call`), whose experts are picked by the router's
-`selectors` (`sparsemixer` for PhiMoE); `facts` keeps what was learned about router classes, `warm` keeps it across
+`selectors` (`sparsemixer` for PhiMoE); `facts` keeps what was learned about each router, `warm` keeps it across
 contexts in a `keep_warm` scope; `steps` and `generation` place each forward's tokens; `record` and `replay` are the
 contexts.
 """

@@ -30,7 +30,7 @@ class RouterCall:
     plan: Plan | None
     record: bool
     recompute: bool = False  # a checkpoint recompute in the backward
-    at_router: bool = False  # the router module itself has started
+    router_runs: int = 0  # forwards of the router module started in this call (its MoE block may run it twice)
     selectors: list[Selector] = field(default_factory=list)
     num_experts: int | None = None  # E, read from the router's logits
     router_out: Any = None
@@ -180,7 +180,7 @@ def begin_call(hub: Any, session: Any, i: int) -> RouterCall:
 
 
 def end_call(hub: Any, session: Any, call: RouterCall) -> None:
-    """Close a router call of `hub` in its `session`: check its replay, learn facts about its router class (kept by
+    """Close a router call of `hub` in its `session`: check its replay, learn facts about its router (kept by
     the hub), record its selection (held by the session for the recorders).
 
     Example:
@@ -191,21 +191,22 @@ def end_call(hub: Any, session: Any, call: RouterCall) -> None:
     if call.held is not None:  # recorded from the router's output
         session.taken.append((call.layer, *call.held, call.num_experts))
         return
-    if not hub.router_only[i] and call.active:
-        hub.learned_topk_in_router(i, not call.outside_router)
-    if call.topk_sites and hub.router_only[i] and router.training not in facts.redirect:
+    training = router.training
+    if not hub.router_only[i].get(training) and call.active:
+        hub.learned_topk_in_router(i, training, not call.outside_router and call.router_runs == 1)
+    if call.topk_sites and hub.router_only[i].get(training) and training not in facts.redirect:
         # a redirected forward hands its torch.topk calls to the selectors: each must be one it may carry
         carried = bool(call.selectors) and all(s.carried_by_redirect for s in call.selectors)
-        facts.redirect[router.training] = redirectable(router, call.topk_sites) if carried else 0
+        facts.redirect[training] = redirectable(router, call.topk_sites) if carried else 0
     call.check_replayed()
     if not call.record:
         return
     idx, held, version, own_output = call.selected()
-    if own_output and call.router_out is not None and router.training not in facts.output_index:
+    if own_output and call.router_out is not None and training not in facts.output_index:
         # later calls read the router's output only if it held what the top-k selected (a class that edits them in
         # place before returning them is always intercepted, and the edit refused when they are copied)
-        kept = idx._version == version if version is not None else torch.equal(held, idx)  # (once per class)
-        facts.output_index[router.training] = next(
+        kept = idx._version == version if version is not None else torch.equal(held, idx)  # (once per router)
+        facts.output_index[training] = next(
             (j for j, o in enumerate(outputs(call.router_out)) if o is idx and kept), None
         )
     session.taken.append((call.layer, held, version, call.num_experts))

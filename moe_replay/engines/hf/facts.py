@@ -1,5 +1,6 @@
-"""What running a router class taught the hub: per model, learned afresh by each outermost context, or once per
-router class inside a `keep_warm` scope (warm.py), which keeps them with the model's other warm state.
+"""What running a model's routers taught the hub: per router and training mode, learned from its own calls afresh by
+each outermost context, or kept inside a `keep_warm` scope (warm.py) with the model's other warm state while the
+router's class and MoE blocks are unchanged.
 """
 
 from __future__ import annotations
@@ -20,24 +21,39 @@ _MRO = attrgetter("__mro__")
 
 @dataclass
 class RouterFacts:
-    """Facts about one router class, learned from its calls (never from equal values).
+    """Facts about one router, learned from its own calls (never from equal values), per training mode: the routers
+    of one class may differ (an attribute set on one router or on its MoE block can change what the same code does),
+    and so may one router in training and in eval.
 
-    - `topk_in_router`: its selecting top-k ran inside the router's own forward (not in the MoE block around it) in
-      every call seen, so interception can skip the blocks, whose experts run many ops. None until seen; False once
-      one call's block selected on its own (the blocks of one router class may differ).
-    - `output_index`: per training mode, the position j in the router's output that *is* the selecting top-k's
-      indices tensor (None: no output is), so a recording without replay can read it and skip interception.
-    - `redirect`: per training mode, how many top-k calls over each token's scores it makes, if every one is a
-      `torch.topk` in its class's own `forward` (else 0), so that interception can redirect those calls instead of
-      running the router under a mode (redirect.py).
+    - `topk_in_router`: whether its selecting top-k ran inside the router's own forward (not in the MoE block around
+      it) in every call seen, so interception can skip the block, whose experts run many ops. False once one call's
+      block selected on its own, or ran the router more than once.
+    - `output_index`: the position j in the router's output that *is* the selecting top-k's indices tensor (None: no
+      output is), so a recording without replay can read it and skip interception.
+    - `redirect`: how many top-k calls over each token's scores it makes, if every one is a `torch.topk` in its
+      class's own `forward` (else 0), so that interception can redirect those calls instead of running the router
+      under a mode (redirect.py).
     """
 
-    topk_in_router: bool | None = None
+    topk_in_router: dict[bool, bool] = field(default_factory=dict)
     output_index: dict[bool, int | None] = field(default_factory=dict)
     redirect: dict[bool, int] = field(default_factory=dict)
-    # what they were learned on (`watched`): the class's methods and its MoE blocks' forwards; a class or a block
-    # patched since starts afresh
+
+
+@dataclass
+class ClassFacts:
+    """The facts of a router class's routers, by router name, and what they were learned on (`watched`: the class's
+    methods and its MoE blocks' forwards); a class or a block patched since starts afresh."""
+
     watch: tuple | None = None
+    routers: dict[str, RouterFacts] = field(default_factory=dict)
+
+    def of(self, name: str) -> RouterFacts:
+        """The facts of the router named `name` (empty until its calls teach them)."""
+        found = self.routers.get(name)
+        if found is None:
+            found = self.routers[name] = RouterFacts()
+        return found
 
     def __getstate__(self) -> dict:
         """A saved or copied model's facts forget the functions (a patched one may not pickle): relearned on use."""
@@ -147,23 +163,23 @@ def own_forward(module: nn.Module) -> Any:
     return value
 
 
-def facts_for(facts: dict[type, RouterFacts], watch: dict[type, tuple]) -> dict[type, RouterFacts]:
+def facts_for(facts: dict[type, ClassFacts], watch: dict[type, tuple]) -> dict[type, ClassFacts]:
     """`facts` (a model's, by router class) with the (possibly still empty) facts of each router class in `watch`
     (`watched`): new ones for a class whose methods or MoE blocks changed since they were learned (a kernel library
     or a user patching them between contexts).
 
     Example:
-        >>> facts_for({}, watched(sites))[Qwen3MoeTopKRouter].redirect  # doctest: +SKIP
+        >>> facts_for({}, watched(sites))[Qwen3MoeTopKRouter].of("model.layers.1.mlp.gate").redirect  # doctest: +SKIP
         {}
     """
     for cls, now in watch.items():
         found = facts.get(cls)
         if found is None or found.watch != now:
-            facts[cls] = RouterFacts(watch=now)
+            facts[cls] = ClassFacts(watch=now)
     return facts
 
 
-def stale(facts: dict[type, RouterFacts], watch: dict[type, tuple]) -> list[type]:
+def stale(facts: dict[type, ClassFacts], watch: dict[type, tuple]) -> list[type]:
     """The router classes in `watch` (`watched`) whose `facts` were not learned on what they hold now.
 
     Example:

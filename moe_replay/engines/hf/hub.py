@@ -6,7 +6,7 @@ Each outermost forward of the model is a `Step` (which positions it covers). Eac
 gives it (and, under activation checkpointing, queues that plan for the recompute in the backward), and the selectors
 of its router (selectors.py) see the call's torch functions. When the call ends the replay is checked and the
 selection recorded (and its selectors unlinked from it, so that nothing a call made waits for the garbage collector).
-A recording without replay, of a router class known to return its top-k indices, needs none of this: it reads them
+A recording without replay, of a router known to return its top-k indices, needs none of this: it reads them
 from the router's output.
 
 One hub per model holds the hooks for all active contexts, so that a recording nested in a replay sees the replayed
@@ -54,16 +54,17 @@ class RouterHub:
         self.redirects = Redirects()  # routers whose own torch.topk alone is intercepted
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)
-        self._installed: tuple[bool, ...] | None = None  # `router_only` when the patches were last installed
+        self._installed: tuple[bool, ...] | None = None  # `_blocks_free()` when the patches were last installed
         self._watch: tuple[Unchanged, dict] | None = None  # what `watched` read and returned at the last install
-        # what was learned about each router's class, and which routers intercept in the router alone: looked up by
-        # `_install` whenever the patches are not set again exactly as they were
+        # what each router's calls taught (facts.py), looked up by `_install` whenever the patches are not set again
+        # exactly as they were; per router, the training modes in which its MoE block needs no interception (its
+        # facts' `topk_in_router`, or {} under MOE_REPLAY_PATH=general: paths.py)
         self.facts: list[RouterFacts] = []
-        self.router_only: list[bool] = []
-        self.general = False  # MOE_REPLAY_PATH=general at install: `router_only` stays all False (paths.py)
-        # per router, while the open contexts only record and its MoE block runs unwrapped: its class's
-        # `output_index` (facts.py), through which a call is recorded from the router's output alone; else None.
-        # Mutated in place (the routers' wrappers hold the list), set by `_record_from_outputs`
+        self.router_only: list[dict[bool, bool]] = []
+        self.general = False  # MOE_REPLAY_PATH=general at install
+        # per router, while the open contexts only record: its `output_index` (facts.py), through which a call is
+        # recorded from the router's output alone; else None. Mutated in place (the routers' wrappers hold the list),
+        # set by `_record_from_outputs`
         self.record_from: list[dict[bool, int | None] | None] = [None] * len(self.sites)
         self._reading = False  # whether `record_from` is set
         self.then_undo: list[Patches] = []  # a `keep_warm` scope closed before the contexts: undone after the last
@@ -153,28 +154,35 @@ class RouterHub:
         self._wrappers.clear()
 
     def _record_from_outputs(self, on: bool) -> None:
-        """Let the routers whose MoE block runs unwrapped record each call from their output alone (`on`: the open
-        contexts only record), or not."""
+        """Let the routers record each call from their output alone where their facts allow it (`on`: the open
+        contexts only record; paths.py's READ row), or not."""
         if on == self._reading:
-            return  # (the patches, and so which blocks are wrapped, do not change while a context is open)
-        self._reading, table, unwrapped = on, self.record_from, self._installed
+            return
+        self._reading, table = on, self.record_from
         for i, facts in enumerate(self.facts):
-            read = on and unwrapped and unwrapped[i] and self.session.reads_output(i, self.sites[i].router)
+            read = on and not self.general and self.session.reads_output(i, self.sites[i].router)
             table[i] = facts.output_index if read else None
 
-    def learned_topk_in_router(self, i: int, inside: bool) -> None:
-        """What a call of router `i` showed (call.py): whether its top-k ran inside the router. Its class's fact holds
-        while every call of the class showed so (one MoE block that selects on its own keeps every block of the class
-        wrapped, from the next install on); this router's block needs no wrapper for the rest of the context."""
-        facts = self.facts[i]
-        facts.topk_in_router = inside and facts.topk_in_router is not False
-        self.router_only[i] = inside and not self.general
+    def learned_topk_in_router(self, i: int, training: bool, inside: bool) -> None:
+        """What a call of router `i` in training mode `training` showed (call.py): whether its top-k ran inside the
+        router alone. The fact holds while every call of the router in that mode showed so; from then on its block
+        is not intercepted in that mode (paths.py), and once it holds in both modes the block is not wrapped."""
+        facts = self.facts[i].topk_in_router
+        facts[training] = inside and facts.get(training) is not False
+
+    def _blocks_free(self) -> tuple[bool, ...]:
+        """Per router: whether its MoE block needs no wrapper (its top-k ran inside the router in every call seen, in
+        both training modes; never under MOE_REPLAY_PATH=general)."""
+        return tuple(
+            not self.general and f.topk_in_router.get(True) is True and f.topk_in_router.get(False) is True
+            for f in self.facts
+        )
 
     def _install(self) -> None:
         general = general_path()  # (MOE_REPLAY_PATH=general: every MoE block wrapped, no fact acted on; paths.py)
         if general != self.general:
             self._installed, self.general = None, general  # (installed the other way: made afresh)
-        wrapped = tuple(self.router_only)  # which routers' MoE blocks need no wrapper
+        free = self._blocks_free()  # which routers' MoE blocks need no wrapper
         kept = self._watch
         if kept is not None and kept[0].holds():  # (`watched` walks every class's namespace: this runs per context)
             watch = kept[1]
@@ -182,16 +190,16 @@ class RouterHub:
             seen = Unchanged(self.sites)  # (taken first: a change in between is found by the next context)
             watch = watched(self.sites)
             self._watch = (seen, watch)
-        if wrapped == self._installed and not stale(self.warm.facts, watch) and self._patches.redo():
+        if free == self._installed and not stale(self.warm.facts, watch) and self._patches.redo():
             # the last context's patches, set again as they were (which also means no other hub's patch is on its
             # modules, and no router's class changed since they were set), and no router class's method was patched
             # since its facts were learned: the facts the hub kept still hold
             return
-        # the facts about each router's class (a class patched since has none yet), and where to intercept
+        # the facts about each router (a router of a class patched since has none yet), and where to intercept
         facts = facts_for(self.warm.facts, watch)
-        self.facts = [facts[type(s.router)] for s in self.sites]
-        self.router_only = [not general and bool(f.topk_in_router) for f in self.facts]  # intercept in the router
-        wrapped = tuple(self.router_only)
+        self.facts = [facts[type(s.router)].of(s.name) for s in self.sites]
+        self.router_only = [{} if general else f.topk_in_router for f in self.facts]
+        free = self._blocks_free()
         for site in self.sites:
             other = patched_by(site.router.__dict__.get("forward"))
             if other is not None:
@@ -210,12 +218,12 @@ class RouterHub:
                 if callable(getattr(module, name, None)):
                     patch(module, name, partial(refuse_packed, name))
         for i, site in enumerate(self.sites):
-            if not self.router_only[i]:  # a router class known to select inside itself needs no block wrapper
+            if not free[i]:  # a router known to select inside itself in both modes needs no block wrapper
                 patch(site.scope, "forward", lambda inner, i=i: router_wrapper(self, i, inner, None))
             patch(site.router, "forward", lambda inner, i=i, s=site: router_wrapper(self, i, inner, s.logits_index))
         for layer, router in self.layout.idle:  # PEFT copies that did not run at entry must not run inside
             patch(router, "forward", partial(refuse_idle, layer))
-        self._installed = wrapped
+        self._installed = free
 
 
 def open_contexts(model: nn.Module) -> tuple[int, int]:

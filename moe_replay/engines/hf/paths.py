@@ -1,33 +1,42 @@
 """Which path a router call takes: the Hugging Face engine's one table (docs/design.md follows each path file by file).
 
+Every fact these rows read is the router's own, for the training mode it runs in (facts.py): "alone" is a router
+whose top-k ran inside itself in every call seen in that mode (`RouterFacts.topk_in_router`, `hub.router_only`).
+A router's MoE block is wrapped until its router is alone in both modes; its wrapper asks `before_block`:
+
+    situation of the MoE block's forward                                               path
+    ---------------------------------------------------------------------------------  ----------------------------
+    no call of its router open, and its router alone                                    PASS   (run as is)
+    anything else                                                                       CALL   (call.py, below)
+
 A router's wrapper (wrapper.py) asks `before_call` first; the first row that holds decides:
 
     situation of the router's forward                                                  path
     ---------------------------------------------------------------------------------  ----------------------------
     a backward (checkpoint recompute), no tracked forward running, or a call already   CALL   (call.py, below)
       opened by its MoE block
-    recording alone; its class returns its top-k's indices (`RouterFacts.output_index`)  READ   (wrapper.read_output)
-      and its MoE block runs unwrapped (`hub.record_from`)
+    recording alone; it returns its top-k's indices (`RouterFacts.output_index`,        READ   (wrapper.read_output)
+      `hub.record_from`), and it is alone
     replay alone; its one top-k over each token's scores is a `torch.topk` written in   LANE   (lane.lane_path)
-      its own forward (`RouterFacts.redirect == 1`), its block unwrapped, no live
-      tally and no recompute to come (`lane_ready`)
+      its own forward (`RouterFacts.redirect == 1`), it is alone, no live tally and no
+      recompute to come (`lane_ready`)
     anything else                                                                       CALL
 
-A CALL is one `RouterCall`, opened by whichever of the router and its MoE block runs first (the block's wrapper always
-takes CALL). `in_call` then decides, for each of the two wrappers that runs inside it:
+A CALL is one `RouterCall`, opened by whichever of the router and its MoE block runs first. `in_call` then decides,
+for each of the two wrappers that runs inside it:
 
     situation inside the call                                                          path
     ---------------------------------------------------------------------------------  ----------------------------
-    the router, recorded only, not a recompute, its class returns its top-k's indices  HOLD      (the output, as is)
+    the router, alone, recorded only, not a recompute, it returns its top-k's indices   HOLD      (the output, as is)
     the call already intercepts (the block's mode is on), or this is the block of a    AS_IS
-      router known to select inside itself
-    the router, its top-k calls all `torch.topk` in its own forward, block unwrapped   REDIRECT  (redirect.py)
+      router alone
+    the router, alone, its top-k calls all `torch.topk` in its own forward             REDIRECT  (redirect.py)
     anything else                                                                       MODE      (call.InterceptMode)
 
 `MOE_REPLAY_PATH=general` (read when an outermost context installs its hooks) wraps every MoE block and takes none of
-READ, LANE, HOLD and REDIRECT: every call runs under the `TorchFunctionMode`, the path that needs no learned fact (the
-tests run the families both ways). What these rows read is set by the hub (hub.py) and its session (session.py), and
-learned in end_call (call.py); the paths themselves test none of it again.
+PASS, READ, LANE, HOLD and REDIRECT: every call runs under the `TorchFunctionMode`, the path that needs no learned
+fact (the tests run the families both ways). What these rows read is set by the hub (hub.py) and its session
+(session.py), and learned in end_call (call.py); the paths themselves test none of it again.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from .steps import Step
 
 ENV = "MOE_REPLAY_PATH"
 CHOICES = ("auto", "general")
-READ, LANE, CALL = "read", "lane", "call"  # before a call opens
+PASS, READ, LANE, CALL = "pass", "read", "lane", "call"  # before a call opens
 HOLD, AS_IS, REDIRECT, MODE = "hold", "as is", "redirect", "mode"  # inside a call
 _graph_task = torch._C._current_graph_task_id  # -1 outside a backward (as `autograd.in_backward` reads it)
 
@@ -61,9 +70,19 @@ def general_path() -> bool:
     return value == "general"
 
 
+def before_block(hub: Any, session: Any, i: int, router: nn.Module) -> str:
+    """The path of a forward of router `i`'s MoE block (its router: `router`): PASS or CALL (the first table above).
+
+    Example:
+        >>> before_block(hub, hub.session, 0, router)  # doctest: +SKIP
+        'pass'
+    """
+    return PASS if session.calls[i] is None and hub.router_only[i].get(router.training) else CALL
+
+
 def before_call(hub: Any, session: Any, i: int, router: nn.Module, step: Step | None, redirectable: bool) -> str:
     """The path of a forward of router `i` of `hub` (hub.py) in `step` of its `session` (session.py): READ, LANE or
-    CALL (the first table above).
+    CALL (the second table above).
     `redirectable`: the hub has a redirected copy of the router's forward (redirect.py).
 
     Example:
@@ -72,14 +91,16 @@ def before_call(hub: Any, session: Any, i: int, router: nn.Module, step: Step | 
     """
     if step is None or session.calls[i] is not None or _graph_task() != -1:
         return CALL
-    index = hub.record_from[i]  # (None unless the open contexts only record and the block runs unwrapped)
+    training = router.training
+    if not hub.router_only[i].get(training):
+        return CALL
+    index = hub.record_from[i]  # (None unless the open contexts only record)
     if index is not None:
-        return CALL if index.get(router.training) is None else READ
+        return CALL if index.get(training) is None else READ
     if (  # (the hooks are set only while a context is open: no recorder means a replayer)
         redirectable
         and not session.recorders
-        and hub.router_only[i]
-        and hub.facts[i].redirect.get(router.training, 0) == 1
+        and hub.facts[i].redirect.get(training, 0) == 1
         and (step is session.lane_step or lane_ready(session, step))
     ):
         return LANE
@@ -88,14 +109,14 @@ def before_call(hub: Any, session: Any, i: int, router: nn.Module, step: Step | 
 
 def in_call(hub: Any, session: Any, call: Any, router: nn.Module, is_router: bool, redirectable: bool) -> str:
     """The path of the router's forward (`is_router`) or its MoE block's inside `call` (call.py): HOLD, AS_IS,
-    REDIRECT or MODE (the second table above). `redirectable` as for `before_call`.
+    REDIRECT or MODE (the third table above). `redirectable` as for `before_call`.
 
     Example:
         >>> in_call(hub, hub.session, call, router, True, True)  # doctest: +SKIP
         'redirect'
     """
     i = call.index
-    alone = hub.router_only[i]  # (False throughout under MOE_REPLAY_PATH=general)
+    alone = hub.router_only[i].get(router.training)  # (None throughout under MOE_REPLAY_PATH=general)
     if is_router and alone and call.plan is None and not call.recompute and session.reads_output(i, router):
         if hub.facts[i].output_index.get(router.training) is not None:
             return HOLD

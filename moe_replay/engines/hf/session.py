@@ -1,6 +1,6 @@
 """The state of one stretch of open contexts on a model: from its outermost context's entry to its last context's exit.
 
-Each lifetime has one home: the model's hooks, its router classes' facts and the wrappers live in the hub (hub.py,
+Each lifetime has one home: the model's hooks, its routers' facts and the wrappers live in the hub (hub.py,
 kept across sessions only inside a `keep_warm` scope); what the open contexts share lives here, in a `Session`, made
 as the first context opens and dropped as the last one closes; one forward's positions are a `Step` (steps.py); one
 router call is a `RouterCall` (call.py). The wrappers read a session's fields; every change to them goes through its

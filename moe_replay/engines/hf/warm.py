@@ -1,6 +1,6 @@
 """`keep_warm`: what the contexts on one model learn, kept across them only while a scope the user opens is open.
 
-A context learns about the model it hooks: the walk of its modules (layout.py), facts about its router classes
+A context learns about the model it hooks: the walk of its modules (layout.py), facts about its routers
 (facts.py), its forwards' parsed signatures (tracker.py) and the hub with its wrappers (hub.py). Without a scope all of
 it belongs to the open contexts and goes with the last one: nothing of moe-replay stays on the model. Inside `with
 keep_warm(model):` it is kept for the next context (an RL loop opens one per minibatch or log-prob chunk), as torch's
@@ -22,8 +22,8 @@ ATTR = "_moe_replay_warm"
 
 @dataclass(eq=False)
 class Warm:
-    """What contexts on one model learned: its layout (which keeps the hub), its router classes' facts by class, its
-    forwards' signatures."""
+    """What contexts on one model learned: its layout (which keeps the hub), its routers' facts by class (facts.py's
+    `ClassFacts`), its forwards' signatures."""
 
     layout: Any = None
     facts: dict[type, Any] = field(default_factory=dict)
@@ -59,7 +59,7 @@ def is_warm(model: object) -> bool:
 
 
 class KeepWarm:
-    """Context manager returned by `keep_warm`; `facts` shows what was learned about each router class."""
+    """Context manager returned by `keep_warm`; `facts` shows what was learned about each router."""
 
     def __init__(self, model: nn.Module) -> None:
         if not isinstance(model, nn.Module):
@@ -97,12 +97,12 @@ class KeepWarm:
             warm.drop()
 
     @property
-    def facts(self) -> dict[type, Any]:
-        """Per router class that ran: what its calls taught (`RouterFacts`: where its top-k runs, whether its output
-        is read, whether its top-k is redirected), a copy."""
+    def facts(self) -> dict[str, Any]:
+        """Per router that ran, by name: what its calls taught (facts.py's `RouterFacts`, per training mode: where its
+        top-k runs, which output is its indices, whether its top-k is redirected)."""
         if self.warm is None:
             raise RuntimeError("keep_warm(...).facts is read inside the scope")
-        return dict(self.warm.facts)
+        return {name: facts for found in self.warm.facts.values() for name, facts in found.routers.items()}
 
 
 def keep_warm(model: nn.Module) -> KeepWarm:

@@ -1,7 +1,7 @@
 """The wrappers of a router's forward and of its MoE block's: the hot path of every router call. Each call asks the
-table in paths.py which path it takes and runs it: READ (`read_output`, here), LANE (`lane.lane_path`) or CALL
-(`call_path`, here: one `RouterCall` with its HOLD, AS_IS, REDIRECT or MODE path). They read the model's facts in the
-hub (hub.py) and the open contexts' state in its session (session.py).
+tables in paths.py which path it takes and runs it: PASS (the block as is), READ (`read_output`, here), LANE
+(`lane.lane_path`) or CALL (`call_path`, here: one `RouterCall` with its HOLD, AS_IS, REDIRECT or MODE path). They
+read the routers' facts in the hub (hub.py) and the open contexts' state in its session (session.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from .call import InterceptMode, begin_call, end_call, num_scores, outputs
 from .lane import LaneTopK, lane_path
-from .paths import AS_IS, HOLD, LANE, MODE, READ, REDIRECT, before_call, in_call
+from .paths import AS_IS, HOLD, LANE, MODE, PASS, READ, REDIRECT, before_block, before_call, in_call
 from .recompute import at_router
 from .redirect import run_redirected
 from .session import Session
@@ -39,21 +39,24 @@ def router_wrapper(hub: Any, i: int, inner: Callable[..., Any], logits_index: in
     """The forward that replaces router `i`'s (`logits_index`: where its logits are in its output) or, with
     `logits_index=None`, its MoE block's, `inner`: each call runs the path paths.py's table picks.
 
-    Both are wrapped until the router class is known: DBRX takes the top-k in the block, outside the router;
-    JetMoE's attention experts call the router from a method other than the block's forward. Once every top-k of a
-    call ran inside the router, the next contexts wrap the router alone (hub.py).
+    Both are wrapped until the router is known: DBRX takes the top-k in the block, outside the router; JetMoE's
+    attention experts call the router from a method other than the block's forward. Once every top-k of its calls
+    ran inside the router in both training modes, the next contexts wrap the router alone (hub.py).
 
     Example:
         >>> router.forward = router_wrapper(hub, 0, router.forward, site.logits_index)  # doctest: +SKIP
     """
     w = Wrapped(hub, i, inner, logits_index)
+    router = w.router
     if logits_index is None:
 
         def block_forward(*args: Any, **kwargs: Any) -> Any:
+            if before_block(hub, hub.session, i, router) is PASS:
+                return inner(*args, **kwargs)
             return call_path(w, args, kwargs)
 
         return block_forward
-    router, redirectable = w.router, w.own_copy is not None
+    redirectable = w.own_copy is not None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         session = hub.session
@@ -95,9 +98,10 @@ def call_path(w: Wrapped, args: tuple, kwargs: dict) -> Any:
     opened = call is None
     if opened:
         call = session.calls[i] = begin_call(hub, session, i)
-    if is_router and not call.at_router:
-        call.at_router = True
-        at_router(hub, session, call, args, kwargs)
+    if is_router:
+        call.router_runs += 1
+        if call.router_runs == 1:
+            at_router(hub, session, call, args, kwargs)
     path = in_call(hub, session, call, router, is_router, w.own_copy is not None)
     intercept = path is REDIRECT or path is MODE
     if intercept and not call.selectors:  # made only for a call that intercepts

@@ -111,7 +111,7 @@ def test_a_router_class_swapped_in_place_is_learned_afresh(warm):
     assert type(router) is not before and type(router).forward is before.forward
     with torch.no_grad(), record_routes(model) as rec:
         expected = model(ids).logits
-    assert type(router) in w.facts  # learned for the class that ran
+    assert type(router) in w.warm.facts  # learned for the class that ran
     with torch.no_grad(), replay_routes(model, rec.routes):
         assert torch.equal(model(ids).logits, expected)
 

@@ -16,10 +16,16 @@ pytestmark = pytest.mark.usefixtures("auto_path")  # (MOE_REPLAY_PATH unset unle
 
 @pytest.fixture
 def taken(monkeypatch):  # noqa: ANN001, ANN201
-    """The paths the table picks, in order: before each router forward ("read", "lane", "call"), then inside each
-    call for the router ("router:…") and its MoE block ("block:…")."""
+    """The paths the table picks, in order: "pass" for a wrapped MoE block run as is, before each router forward
+    ("read", "lane", "call"), then inside each call for the router ("router:…") and its MoE block ("block:…")."""
     seen = []
-    before, inside = paths.before_call, paths.in_call
+    block, before, inside = paths.before_block, paths.before_call, paths.in_call
+
+    def spy_block(*args):  # noqa: ANN002, ANN202
+        path = block(*args)
+        if path is paths.PASS:
+            seen.append(path)
+        return path
 
     def spy_before(*args):  # noqa: ANN002, ANN202
         seen.append(before(*args))
@@ -30,6 +36,7 @@ def taken(monkeypatch):  # noqa: ANN001, ANN201
         seen.append(f"{'router' if is_router else 'block'}:{path}")
         return path
 
+    monkeypatch.setattr(wrapper_module, "before_block", spy_block)
     monkeypatch.setattr(wrapper_module, "before_call", spy_before)
     monkeypatch.setattr(wrapper_module, "in_call", spy_in)
     return seen
@@ -68,19 +75,20 @@ def gates(model):  # noqa: ANN001, ANN202
 
 def test_each_situation_takes_its_row_and_general_takes_the_mode_with_identical_results(warm, taken, monkeypatch):
     """A tiny Qwen3-MoE (two MoE layers) in a keep_warm scope: the table's rows as a user meets them, then the same
-    work under MOE_REPLAY_PATH=general, every call under the TorchFunctionMode over the whole MoE block."""
+    work under MOE_REPLAY_PATH=general, every call under the TorchFunctionMode over the whole MoE block. Learned in
+    eval only, the blocks stay wrapped and pass; learned in both modes, they are not wrapped."""
     model = tiny_qwen3_moe()
     warm(model)
     ids, mask = left_padded(3, 8, [0, 2, 1])
-    with torch.no_grad(), record_routes(model) as first:  # (learns the router class's facts)
+    with torch.no_grad(), record_routes(model) as first:  # (learns the routers' facts in eval)
         model(ids, attention_mask=mask)
     routes = first.routes
     auto, auto_paths = run_all(model, ids, mask, routes, taken)
     assert auto_paths == {
-        "record": ["read"] * 2,
-        "replay": ["lane"] * 2,
-        "replay, tally": ["call", "router:redirect"] * 2,
-        "record under replay": ["call", "router:redirect"] * 2,
+        "record": ["pass", "read"] * 2,
+        "replay": ["pass", "lane"] * 2,
+        "replay, tally": ["pass", "call", "router:redirect"] * 2,
+        "record under replay": ["pass", "call", "router:redirect"] * 2,
     }
     monkeypatch.setenv(paths.ENV, "general")
     general, general_paths = run_all(model, ids, mask, routes, taken)
@@ -89,11 +97,19 @@ def test_each_situation_takes_its_row_and_general_takes_the_mode_with_identical_
         assert all(torch.equal(a, b) for a, b in zip(general[name], expected, strict=True)), name
     monkeypatch.setenv(paths.ENV, "auto")  # (set back inside the scope: the table's paths again)
     assert run_all(model, ids, mask, routes, taken)[1] == auto_paths
+    model.train()  # (learns them in training too: the blocks are not wrapped from the next context on)
+    with torch.no_grad(), record_routes(model):
+        model(ids, attention_mask=mask)
+    model.eval()
+    both, both_paths = run_all(model, ids, mask, routes, taken)
+    assert both_paths == {name: [p for p in found if p != "pass"] for name, found in auto_paths.items()}
+    for name, expected in auto.items():
+        assert all(torch.equal(a, b) for a, b in zip(both[name], expected, strict=True)), name
 
 
-def test_a_cold_model_takes_the_mode_until_its_router_class_is_learned(taken):
-    """Outside a keep_warm scope each outermost context starts cold: its first call of each router class learns, in
-    the whole block; later calls of the same context intercept in the router alone."""
+def test_a_cold_model_takes_the_mode_until_its_routers_are_learned(taken):
+    """Outside a keep_warm scope each outermost context starts cold: the first call of each router learns, in the
+    whole block; later calls of the same context pass the block and read the router's output."""
     model = tiny_qwen3_moe()
     ids, mask = left_padded(2, 6, [0, 1])
     for _ in range(2):
@@ -101,7 +117,7 @@ def test_a_cold_model_takes_the_mode_until_its_router_class_is_learned(taken):
         with torch.no_grad(), record_routes(model):
             model(ids, attention_mask=mask)
             model(ids, attention_mask=mask)
-        assert taken == ["block:mode", "call", "router:as is"] * 2 + ["block:as is", "call", "router:hold"] * 2
+        assert taken == ["block:mode", "call", "router:as is"] * 2 + ["pass", "read"] * 2
 
 
 @pytest.mark.parametrize("value", ["fast", "General Path"])
