@@ -11,15 +11,15 @@ adds per router call, writes a CSV and ends with `targets met: N/M`.
     python benchmarks/host_cost.py --count --models group   # group-limited routing (DeepSeek-V3 of the tiny shape)
     python benchmarks/host_cost.py --calls --top 20   # calls added on the tiny model, the 20 largest named (seconds)
 
-The works (B=1, no grad, inside a `keep_warm` scope on the model, as a training loop runs them; the cold row of
-`--count` outside one): a replayed forward of T=32 tokens with the context opened and closed around it (a log-prob
-chunk, a minibatch), 10 replayed forwards in one context, recording under `generate` of 32 new tokens; each against
-the same work without moe-replay. Timed: all the forward variants of a model run in one loop (order reversed every
-round), and so do the generate variants; a ratio is the median over rounds of ours / plain within the round, and an
-A/A row compares two copies of the plain work from the same loop. Times are the main thread's CPU time on one torch
-thread (`time.thread_time`), the ms columns medians over rounds; `--device cuda`: wall seconds between
-synchronizations on the GPU. Extra host time per router call = (ratio - 1) x the plain work's median / the router
-calls in the work (L per forward; L per decode step under generate).
+The works (B=1, no grad, in eval, inside a `keep_warm` scope on the model whose contexts also ran it in training, as a
+training loop's do: the MoE blocks then run unwrapped; the cold row of `--count` outside one): a replayed forward of
+T=32 tokens with the context opened and closed around it (a log-prob chunk, a minibatch), 10 replayed forwards in one
+context, recording under `generate` of 32 new tokens; each against the same work without moe-replay. Timed: all the
+forward variants of a model run in one loop (order reversed every round), and so do the generate variants; a ratio is
+the median over rounds of ours / plain within the round, and an A/A row compares two copies of the plain work from the
+same loop. Times are the main thread's CPU time on one torch thread (`time.thread_time`), the ms columns medians over
+rounds; `--device cuda`: wall seconds between synchronizations on the GPU. Extra host time per router call = (ratio - 1)
+x the plain work's median / the router calls in the work (L per forward; L per decode step under generate).
 `--count`: ours and plain counted in turn in one process under callgrind per hash seed (benchmarks/callgrind.py;
 needs valgrind and a C compiler), each round of each counted on its own after the imports, the build and 3 uncounted
 ones: both see one memory layout, which moves a count by ~0.5% between processes, as much as a replay adds. A row is
@@ -125,6 +125,10 @@ def works(model: torch.nn.Module, device: str = "cpu") -> dict[str, Callable[[],
     with torch.no_grad(), record_routes(model) as rec:
         model(ids)
     routes = rec.routes
+    model.train()  # (a training loop's contexts see the model in both modes: its blocks are then known in both)
+    with torch.no_grad(), record_routes(model):
+        model(ids)
+    model.eval()
 
     def ours() -> None:
         with torch.no_grad(), replay_routes(model, routes):

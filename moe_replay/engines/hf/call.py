@@ -191,10 +191,11 @@ def end_call(hub: Any, session: Any, call: RouterCall) -> None:
     if call.held is not None:  # recorded from the router's output
         session.taken.append((call.layer, *call.held, call.num_experts))
         return
-    training = router.training
-    if not hub.router_only[i].get(training) and call.active:
-        hub.learned_topk_in_router(i, training, not call.outside_router and call.router_runs == 1)
-    if call.topk_sites and hub.router_only[i].get(training) and training not in facts.redirect:
+    training, alone = router.training, hub.router_only[i]
+    block_mode = call.site.scope.training  # (where the top-k runs is its block's doing: learned per block mode)
+    if not alone.get(block_mode) and call.active:
+        hub.learned_topk_in_router(i, block_mode, not call.outside_router and call.router_runs == 1)
+    if call.topk_sites and alone.get(block_mode) and training not in facts.redirect:
         # a redirected forward hands its torch.topk calls to the selectors: each must be one it may carry
         carried = bool(call.selectors) and all(s.carried_by_redirect for s in call.selectors)
         facts.redirect[training] = redirectable(router, call.topk_sites) if carried else 0

@@ -1,10 +1,12 @@
 """What running a model's routers taught the hub: per router and training mode, learned from its own calls afresh by
 each outermost context, or kept inside a `keep_warm` scope (warm.py) with the model's other warm state while the
-router's class and MoE blocks are unchanged.
+router's class and methods, its MoE block's and the modules themselves are unchanged (an attribute of theirs changed
+between contexts is not seen: make such changes before the scope opens, or reopen it).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter, eq, is_
@@ -21,23 +23,40 @@ _MRO = attrgetter("__mro__")
 
 @dataclass
 class RouterFacts:
-    """Facts about one router, learned from its own calls (never from equal values), per training mode: the routers
-    of one class may differ (an attribute set on one router or on its MoE block can change what the same code does),
-    and so may one router in training and in eval.
+    """Facts about one router and its MoE block, learned from their own calls (never from equal values), per training
+    mode: the routers of one class may differ (an attribute set on one router or on its block can change what the
+    same code does), and so may one router in training and in eval.
 
-    - `topk_in_router`: whether its selecting top-k ran inside the router's own forward (not in the MoE block around
-      it) in every call seen, so interception can skip the block, whose experts run many ops. False once one call's
-      block selected on its own, or ran the router more than once.
-    - `output_index`: the position j in the router's output that *is* the selecting top-k's indices tensor (None: no
-      output is), so a recording without replay can read it and skip interception.
-    - `redirect`: how many top-k calls over each token's scores it makes, if every one is a `torch.topk` in its
-      class's own `forward` (else 0), so that interception can redirect those calls instead of running the router
-      under a mode (redirect.py).
+    - `topk_in_router`: per training mode of the MoE block, whether the selecting top-k ran inside the router's own
+      forward (not in the block around it) in every call seen, so interception can skip the block, whose experts run
+      many ops. False once one call's block selected on its own, or ran the router more than once.
+    - `output_index`: per training mode of the router, the position j in its output that *is* the selecting top-k's
+      indices tensor (None: no output is), so a recording without replay can read it and skip interception.
+    - `redirect`: per training mode of the router, how many top-k calls over each token's scores it makes, if every
+      one is a `torch.topk` in its class's own `forward` (else 0), so that interception can redirect those calls
+      instead of running the router under a mode (redirect.py).
+    - `learned_on`: the router and block they were learned on (`site_key`); another module there starts afresh.
     """
 
     topk_in_router: dict[bool, bool] = field(default_factory=dict)
     output_index: dict[bool, int | None] = field(default_factory=dict)
     redirect: dict[bool, int] = field(default_factory=dict)
+    learned_on: tuple | None = field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        """A copied or saved model's facts forget the modules they were learned on: relearned on use."""
+        return {**self.__dict__, "learned_on": None}
+
+
+def site_key(site: RouterSite) -> tuple:
+    """What a router's facts hold for besides its class (`watched`): the router and MoE block modules themselves (weak
+    references), the block's class and a forward set on the block itself.
+
+    Example:
+        >>> site_key(model_layout(model).sites[0])  # doctest: +SKIP
+        (<weakref to 'Qwen3MoeTopKRouter'>, <weakref to 'Qwen3MoeSparseMoeBlock'>, Qwen3MoeSparseMoeBlock, None)
+    """
+    return (weakref.ref(site.router), weakref.ref(site.scope), type(site.scope), own_forward(site.scope))
 
 
 @dataclass
@@ -48,11 +67,13 @@ class ClassFacts:
     watch: tuple | None = None
     routers: dict[str, RouterFacts] = field(default_factory=dict)
 
-    def of(self, name: str) -> RouterFacts:
-        """The facts of the router named `name` (empty until its calls teach them)."""
-        found = self.routers.get(name)
-        if found is None:
-            found = self.routers[name] = RouterFacts()
+    def of(self, site: RouterSite) -> RouterFacts:
+        """The facts of the router at `site` (empty until its calls teach them, or if another router or block module
+        is there now)."""
+        key = site_key(site)
+        found = self.routers.get(site.name)
+        if found is None or found.learned_on != key:
+            found = self.routers[site.name] = RouterFacts(learned_on=key)
         return found
 
     def __getstate__(self) -> dict:

@@ -164,9 +164,10 @@ class RouterHub:
             table[i] = facts.output_index if read else None
 
     def learned_topk_in_router(self, i: int, training: bool, inside: bool) -> None:
-        """What a call of router `i` in training mode `training` showed (call.py): whether its top-k ran inside the
-        router alone. The fact holds while every call of the router in that mode showed so; from then on its block
-        is not intercepted in that mode (paths.py), and once it holds in both modes the block is not wrapped."""
+        """What a call of router `i` with its MoE block in training mode `training` showed (call.py): whether its
+        top-k ran inside the router alone. The fact holds while every such call showed so; from then on the block
+        is not intercepted in that mode (paths.py), and once it holds in both modes the next outermost context
+        leaves the block unwrapped."""
         facts = self.facts[i].topk_in_router
         facts[training] = inside and facts.get(training) is not False
 
@@ -197,7 +198,7 @@ class RouterHub:
             return
         # the facts about each router (a router of a class patched since has none yet), and where to intercept
         facts = facts_for(self.warm.facts, watch)
-        self.facts = [facts[type(s.router)].of(s.name) for s in self.sites]
+        self.facts = [facts[type(s.router)].of(s) for s in self.sites]
         self.router_only = [{} if general else f.topk_in_router for f in self.facts]
         free = self._blocks_free()
         for site in self.sites:

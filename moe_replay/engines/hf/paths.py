@@ -1,8 +1,8 @@
 """Which path a router call takes: the Hugging Face engine's one table (docs/design.md follows each path file by file).
 
 Every fact these rows read is the router's own, for the training mode it runs in (facts.py): "alone" is a router
-whose top-k ran inside itself in every call seen in that mode (`RouterFacts.topk_in_router`, `hub.router_only`).
-A router's MoE block is wrapped until its router is alone in both modes; its wrapper asks `before_block`:
+whose top-k ran inside itself in every call seen with its MoE block in the block's mode (`RouterFacts.topk_in_router`,
+`hub.router_only`). A block is wrapped until its router is alone in both modes; its wrapper asks `before_block`:
 
     situation of the MoE block's forward                                               path
     ---------------------------------------------------------------------------------  ----------------------------
@@ -70,14 +70,14 @@ def general_path() -> bool:
     return value == "general"
 
 
-def before_block(hub: Any, session: Any, i: int, router: nn.Module) -> str:
-    """The path of a forward of router `i`'s MoE block (its router: `router`): PASS or CALL (the first table above).
+def before_block(hub: Any, session: Any, i: int, block: nn.Module) -> str:
+    """The path of a forward of router `i`'s MoE block `block`: PASS or CALL (the first table above).
 
     Example:
-        >>> before_block(hub, hub.session, 0, router)  # doctest: +SKIP
+        >>> before_block(hub, hub.session, 0, block)  # doctest: +SKIP
         'pass'
     """
-    return PASS if session.calls[i] is None and hub.router_only[i].get(router.training) else CALL
+    return PASS if session.calls[i] is None and hub.router_only[i].get(block.training) else CALL
 
 
 def before_call(hub: Any, session: Any, i: int, router: nn.Module, step: Step | None, redirectable: bool) -> str:
@@ -91,9 +91,9 @@ def before_call(hub: Any, session: Any, i: int, router: nn.Module, step: Step | 
     """
     if step is None or session.calls[i] is not None or _graph_task() != -1:
         return CALL
-    training = router.training
-    if not hub.router_only[i].get(training):
+    if not hub.router_only[i].get(hub.sites[i].scope.training):  # (alone in its block's mode)
         return CALL
+    training = router.training
     index = hub.record_from[i]  # (None unless the open contexts only record)
     if index is not None:
         return CALL if index.get(training) is None else READ
@@ -116,7 +116,7 @@ def in_call(hub: Any, session: Any, call: Any, router: nn.Module, is_router: boo
         'redirect'
     """
     i = call.index
-    alone = hub.router_only[i].get(router.training)  # (None throughout under MOE_REPLAY_PATH=general)
+    alone = hub.router_only[i].get(call.site.scope.training)  # (None throughout under MOE_REPLAY_PATH=general)
     if is_router and alone and call.plan is None and not call.recompute and session.reads_output(i, router):
         if hub.facts[i].output_index.get(router.training) is not None:
             return HOLD

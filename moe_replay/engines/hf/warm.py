@@ -98,8 +98,9 @@ class KeepWarm:
 
     @property
     def facts(self) -> dict[str, Any]:
-        """Per router that ran, by name: what its calls taught (facts.py's `RouterFacts`, per training mode: where its
-        top-k runs, which output is its indices, whether its top-k is redirected)."""
+        """Per router the contexts hooked, by name: what its calls taught so far (facts.py's `RouterFacts`, per
+        training mode: where its top-k runs, which output is its indices, whether its top-k is redirected; empty until
+        it runs). The scope's own objects: read them, do not change them."""
         if self.warm is None:
             raise RuntimeError("keep_warm(...).facts is read inside the scope")
         return {name: facts for found in self.warm.facts.values() for name, facts in found.routers.items()}

@@ -47,16 +47,16 @@ def router_wrapper(hub: Any, i: int, inner: Callable[..., Any], logits_index: in
         >>> router.forward = router_wrapper(hub, 0, router.forward, site.logits_index)  # doctest: +SKIP
     """
     w = Wrapped(hub, i, inner, logits_index)
-    router = w.router
     if logits_index is None:
+        block = hub.sites[i].scope
 
         def block_forward(*args: Any, **kwargs: Any) -> Any:
-            if before_block(hub, hub.session, i, router) is PASS:
+            if before_block(hub, hub.session, i, block) is PASS:
                 return inner(*args, **kwargs)
             return call_path(w, args, kwargs)
 
         return block_forward
-    redirectable = w.own_copy is not None
+    router, redirectable = w.router, w.own_copy is not None
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         session = hub.session

@@ -174,3 +174,84 @@ def test_a_block_that_runs_its_router_twice_keeps_one_layer_per_block(monkeypatc
     model, routes = patched(_router_twice), routes_of(lambda: patched(_router_twice))
     assert [layer.name for layer in routes.layers] == ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]
     assert_as_general(model, routes, monkeypatch)
+
+
+def test_a_block_in_another_mode_than_its_router_is_learned_in_the_block_s_mode(monkeypatch):
+    """A router kept in eval (frozen) while the model trains, under a block that picks its own experts in training:
+    whether the top-k runs in the router alone is the block's doing, learned per mode of the block (keyed by the
+    router's mode, eval facts let the training block run unwrapped: its choice unrecorded, a replay not applied)."""
+    model, routes = patched(_own_choice_in_training), routes_of(lambda: patched(_own_choice_in_training), True)
+    ids, mask = left_padded(2, 5, [0, 1])
+
+    def frozen_router_runs():  # noqa: ANN202
+        found = []
+        with keep_warm(model), torch.no_grad():
+            for _ in range(CONTEXTS):
+                model.eval()
+                with record_routes(model):  # (learns the eval facts)
+                    model(ids, attention_mask=mask)
+                model.train()
+                for gate in gates(model):
+                    gate.eval()
+                with record_routes(model) as rec:
+                    model(ids, attention_mask=mask)
+                with replay_routes(model, routes):
+                    found.append((rec.routes.indices, model(ids, attention_mask=mask).logits))
+        model.eval()
+        return found
+
+    auto = frozen_router_runs()
+    monkeypatch.setenv("MOE_REPLAY_PATH", "general")
+    general = frozen_router_runs()
+    for (a, x), (b, y) in zip(auto, general, strict=True):
+        assert torch.equal(a, b) and torch.equal(x, y)
+
+
+class _OwnChoiceBlock(modeling_qwen3_moe.Qwen3MoeSparseMoeBlock):
+    """A Qwen3-MoE block class that picks its own experts (the top-k of the negated router logits)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return _own_choice(self, hidden_states)
+
+
+def _own_choice(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A Qwen3-MoE block's forward that picks its experts itself."""
+    batch, length, width = hidden_states.shape
+    flat = hidden_states.view(-1, width)
+    logits, _, _ = self.gate(flat)
+    weights, experts = torch.topk((-logits).softmax(-1), self.gate.top_k, dim=-1)
+    return self.experts(flat, experts, weights).reshape(batch, length, width)
+
+
+@pytest.mark.parametrize("how", ["class swapped in place", "module replaced"])
+def test_a_block_that_moves_to_another_layer_between_contexts_is_learned_afresh_there(how, monkeypatch):
+    """A block class that selects on its own moves from layer 2 to layer 0 between contexts of one scope (the set
+    of the router class's block classes unchanged): layer 0's facts, learned on a stock block, must not carry over."""
+    ids, mask = left_padded(2, 5, [0, 1])
+
+    def move(model, frm, to):  # noqa: ANN001, ANN202
+        for layer, cls in ((frm, modeling_qwen3_moe.Qwen3MoeSparseMoeBlock), (to, _OwnChoiceBlock)):
+            block = model.model.layers[layer].mlp
+            if how == "class swapped in place":
+                block.__class__ = cls
+            else:
+                new = cls.__new__(cls)
+                new.__dict__ = dict(block.__dict__)
+                model.model.layers[layer].mlp = new
+
+    def runs():  # noqa: ANN202
+        model = tiny_qwen3_moe()
+        move(model, 0, 2)
+        with keep_warm(model), torch.no_grad():
+            for training in (False, True, False):  # (layer 0's stock block: alone in both modes)
+                model.train(training)
+                with record_routes(model):
+                    model(ids, attention_mask=mask)
+            move(model, 2, 0)
+            with record_routes(model) as rec:
+                model(ids, attention_mask=mask)
+        return rec.routes.indices
+
+    auto = runs()
+    monkeypatch.setenv("MOE_REPLAY_PATH", "general")
+    assert torch.equal(auto, runs())
