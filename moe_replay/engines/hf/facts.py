@@ -17,6 +17,7 @@ from torch import nn
 from .discover import RouterSite
 from .patch import patched_by
 
+KEPT = 4  # sets of modules whose facts a router name keeps (`ClassFacts.of`)
 DESCRIPTORS = (staticmethod, classmethod, property)  # class attributes `class_methods` keeps besides callables
 _MRO = attrgetter("__mro__")
 
@@ -53,7 +54,7 @@ def site_key(site: RouterSite) -> tuple:
     references), the block's class and a forward set on the block itself.
 
     Example:
-        >>> site_key(model_layout(model).sites[0])  # doctest: +SKIP
+        >>> site_key(model_layout(model, Warm()).sites[0])  # doctest: +SKIP
         (<weakref to 'Qwen3MoeTopKRouter'>, <weakref to 'Qwen3MoeSparseMoeBlock'>, Qwen3MoeSparseMoeBlock, None)
     """
     return (weakref.ref(site.router), weakref.ref(site.scope), type(site.scope), own_forward(site.scope))
@@ -62,18 +63,24 @@ def site_key(site: RouterSite) -> tuple:
 @dataclass
 class ClassFacts:
     """The facts of a router class's routers, by router name, and what they were learned on (`watched`: the class's
-    methods and its MoE blocks' forwards); a class or a block patched since starts afresh."""
+    methods and its MoE blocks' forwards); a class or a block patched since starts afresh. A name keeps the facts of
+    the last `KEPT` sets of modules seen there (a PEFT `modules_to_save` router and its original take turns as
+    adapters are enabled and disabled)."""
 
     watch: tuple | None = None
-    routers: dict[str, RouterFacts] = field(default_factory=dict)
+    routers: dict[str, list[RouterFacts]] = field(default_factory=dict)
 
     def of(self, site: RouterSite) -> RouterFacts:
-        """The facts of the router at `site` (empty until its calls teach them, or if another router or block module
-        is there now)."""
+        """The facts of the router at `site` and the modules there now (empty until their calls teach them)."""
         key = site_key(site)
-        found = self.routers.get(site.name)
-        if found is None or found.learned_on != key:
-            found = self.routers[site.name] = RouterFacts(learned_on=key)
+        kept = [f for f in self.routers.get(site.name, ()) if all(ref() is not None for ref in f.learned_on[:2])]
+        found = next((f for f in kept if f.learned_on == key), None)
+        if found is None:
+            found = RouterFacts(learned_on=key)
+            kept = [*kept[1 - KEPT :], found]
+        else:  # (the last one used goes last)
+            kept = [f for f in kept if f is not found] + [found]
+        self.routers[site.name] = kept
         return found
 
     def __getstate__(self) -> dict:
@@ -190,7 +197,7 @@ def facts_for(facts: dict[type, ClassFacts], watch: dict[type, tuple]) -> dict[t
     or a user patching them between contexts).
 
     Example:
-        >>> facts_for({}, watched(sites))[Qwen3MoeTopKRouter].of("model.layers.1.mlp.gate").redirect  # doctest: +SKIP
+        >>> facts_for({}, watched(sites))[Qwen3MoeTopKRouter].of(sites[0]).redirect  # doctest: +SKIP
         {}
     """
     for cls, now in watch.items():

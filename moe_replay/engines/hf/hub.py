@@ -185,16 +185,17 @@ class RouterHub:
             self._installed, self.general = None, general  # (installed the other way: made afresh)
         free = self._blocks_free()  # which routers' MoE blocks need no wrapper
         kept = self._watch
-        if kept is not None and kept[0].holds():  # (`watched` walks every class's namespace: this runs per context)
+        same = kept is not None and kept[0].holds()  # (`watched` walks every class's namespace: this runs per context)
+        if same:
             watch = kept[1]
         else:
             seen = Unchanged(self.sites)  # (taken first: a change in between is found by the next context)
             watch = watched(self.sites)
             self._watch = (seen, watch)
-        if free == self._installed and not stale(self.warm.facts, watch) and self._patches.redo():
-            # the last context's patches, set again as they were (which also means no other hub's patch is on its
-            # modules, and no router's class changed since they were set), and no router class's method was patched
-            # since its facts were learned: the facts the hub kept still hold
+        if same and free == self._installed and not stale(self.warm.facts, watch) and self._patches.redo():
+            # no router's or block's class, method or own forward changed since the last install (an unwrapped block
+            # has no patch for `redo` to check), and the last context's patches are set again as they were (which
+            # also means no other hub's patch is on its modules): the facts the hub kept still hold
             return
         # the facts about each router (a router of a class patched since has none yet), and where to intercept
         facts = facts_for(self.warm.facts, watch)

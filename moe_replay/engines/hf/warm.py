@@ -98,12 +98,12 @@ class KeepWarm:
 
     @property
     def facts(self) -> dict[str, Any]:
-        """Per router the contexts hooked, by name: what its calls taught so far (facts.py's `RouterFacts`, per
-        training mode: where its top-k runs, which output is its indices, whether its top-k is redirected; empty until
-        it runs). The scope's own objects: read them, do not change them."""
+        """Per router the contexts hooked, by name: what the calls of the modules there last taught (facts.py's
+        `RouterFacts`, per training mode: where its top-k runs, which output is its indices, whether its top-k is
+        redirected; empty until it runs). The scope's own objects: read them, do not change them."""
         if self.warm is None:
             raise RuntimeError("keep_warm(...).facts is read inside the scope")
-        return {name: facts for found in self.warm.facts.values() for name, facts in found.routers.items()}
+        return {name: kept[-1] for found in self.warm.facts.values() for name, kept in found.routers.items() if kept}
 
 
 def keep_warm(model: nn.Module) -> KeepWarm:

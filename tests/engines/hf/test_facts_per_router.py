@@ -223,16 +223,18 @@ def _own_choice(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.experts(flat, experts, weights).reshape(batch, length, width)
 
 
-@pytest.mark.parametrize("how", ["class swapped in place", "module replaced"])
+@pytest.mark.parametrize("how", ["class swapped in place", "module replaced", "unwrapped block's class swapped"])
 def test_a_block_that_moves_to_another_layer_between_contexts_is_learned_afresh_there(how, monkeypatch):
-    """A block class that selects on its own moves from layer 2 to layer 0 between contexts of one scope (the set
-    of the router class's block classes unchanged): layer 0's facts, learned on a stock block, must not carry over."""
+    """A block class that selects on its own moves from layer 3 to layer 0 between contexts of one scope (the set
+    of the router class's block classes unchanged): layer 0's facts, learned on a stock block, must not carry over,
+    also where only layer 0's unwrapped block changes (no patch of the scope's to notice it)."""
     ids, mask = left_padded(2, 5, [0, 1])
 
     def move(model, frm, to):  # noqa: ANN001, ANN202
-        for layer, cls in ((frm, modeling_qwen3_moe.Qwen3MoeSparseMoeBlock), (to, _OwnChoiceBlock)):
+        moves = ((frm, modeling_qwen3_moe.Qwen3MoeSparseMoeBlock), (to, _OwnChoiceBlock))
+        for layer, cls in moves[1:] if how == "unwrapped block's class swapped" else moves:
             block = model.model.layers[layer].mlp
-            if how == "class swapped in place":
+            if how != "module replaced":
                 block.__class__ = cls
             else:
                 new = cls.__new__(cls)
@@ -240,14 +242,14 @@ def test_a_block_that_moves_to_another_layer_between_contexts_is_learned_afresh_
                 model.model.layers[layer].mlp = new
 
     def runs():  # noqa: ANN202
-        model = tiny_qwen3_moe()
-        move(model, 0, 2)
+        model = tiny_qwen3_moe(layers=4)  # (MoE layers 0, 2 and 3: layer 2's stock block keeps the set of classes)
+        move(model, 0, 3)
         with keep_warm(model), torch.no_grad():
             for training in (False, True, False):  # (layer 0's stock block: alone in both modes)
                 model.train(training)
                 with record_routes(model):
                     model(ids, attention_mask=mask)
-            move(model, 2, 0)
+            move(model, 3, 0)
             with record_routes(model) as rec:
                 model(ids, attention_mask=mask)
         return rec.routes.indices

@@ -4,6 +4,7 @@ layer names without PEFT's segments, so they move between adapters; switching ad
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -91,3 +92,34 @@ def test_routes_move_between_adapters_and_a_switch_inside_a_context_is_refused(q
                 with model.disable_adapter():
                     model(ids, attention_mask=mask)
     assert "forward" not in vars(routers(model, "original_module")[0])  # nothing left on the copies after it
+
+
+@pytest.mark.parametrize("target", ["gate", "mlp"])
+def test_a_scope_keeps_what_the_saved_and_the_original_router_learned_as_adapters_take_turns(qwen, target, monkeypatch):
+    """An RL loop's policy contexts (adapter on: the saved copy runs) and reference contexts (`disable_adapter`: the
+    original runs) take turns under one name: once each has been seen in both modes, no call learns again (found by
+    review: each switch replaced the one set of facts a name kept, so every context ran the general path)."""
+    from moe_replay import keep_warm
+    from moe_replay.engines.hf import paths
+    from moe_replay.engines.hf import wrapper as wrapper_module
+
+    model = lora(qwen, target).eval()
+    ids, mask = left_padded(2, 5, [0, 1])
+    routes = recorded(model, ids, mask)
+    taken = []
+    inside = paths.in_call
+
+    def spy(*args):  # noqa: ANN002, ANN202
+        taken.append(inside(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(wrapper_module, "in_call", spy)
+    with keep_warm(model), torch.no_grad():
+        for n in range(6):
+            for training in (False, True):
+                model.train(training)
+                taken.clear()
+                with model.disable_adapter() if n % 2 else contextlib.nullcontext(), replay_routes(model, routes):
+                    model(ids, attention_mask=mask)
+                assert n < 2 or paths.MODE not in taken, (n, training, taken)
+    model.eval()
