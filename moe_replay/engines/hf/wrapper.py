@@ -41,7 +41,7 @@ def router_wrapper(hub: Any, i: int, inner: Callable[..., Any], logits_index: in
 
     Both are wrapped until the router is known: DBRX takes the top-k in the block, outside the router; JetMoE's
     attention experts call the router from a method other than the block's forward. Once every top-k of its calls
-    ran inside the router in both training modes, the next contexts wrap the router alone (hub.py).
+    ran inside the router in both training modes of its block, the next contexts wrap the router alone (hub.py).
 
     Example:
         >>> router.forward = router_wrapper(hub, 0, router.forward, site.logits_index)  # doctest: +SKIP
