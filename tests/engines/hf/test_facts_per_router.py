@@ -16,16 +16,19 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe
 from moe_replay import keep_warm, record_routes, replay_routes
 
 CONTEXTS = 3  # the first learns, the next ones run on what it learned
+FROZEN = "training, routers in eval"
 
 
 def runs(model, ids, mask, routes, modes=(False,)):  # noqa: ANN001, ANN201
-    """Per context, one after another in one `keep_warm` scope, in each training mode of `modes` (False: eval): the
-    routes a recording gives and the logits a replay of `routes` gives."""
+    """Per context, one after another in one `keep_warm` scope, in each training mode of `modes` (False: eval; FROZEN:
+    training with the routers in eval): the routes a recording gives and the logits a replay of `routes` gives."""
     found = []
     with keep_warm(model), torch.no_grad():
         for _ in range(CONTEXTS):
             for training in modes:
-                model.train(training)
+                model.train(bool(training))
+                for gate in gates(model) if training == FROZEN else ():
+                    gate.eval()
                 with record_routes(model) as rec:
                     model(ids, attention_mask=mask)
                 with replay_routes(model, routes):
@@ -181,30 +184,7 @@ def test_a_block_in_another_mode_than_its_router_is_learned_in_the_block_s_mode(
     whether the top-k runs in the router alone is the block's doing, learned per mode of the block (keyed by the
     router's mode, eval facts let the training block run unwrapped: its choice unrecorded, a replay not applied)."""
     model, routes = patched(_own_choice_in_training), routes_of(lambda: patched(_own_choice_in_training), True)
-    ids, mask = left_padded(2, 5, [0, 1])
-
-    def frozen_router_runs():  # noqa: ANN202
-        found = []
-        with keep_warm(model), torch.no_grad():
-            for _ in range(CONTEXTS):
-                model.eval()
-                with record_routes(model):  # (learns the eval facts)
-                    model(ids, attention_mask=mask)
-                model.train()
-                for gate in gates(model):
-                    gate.eval()
-                with record_routes(model) as rec:
-                    model(ids, attention_mask=mask)
-                with replay_routes(model, routes):
-                    found.append((rec.routes.indices, model(ids, attention_mask=mask).logits))
-        model.eval()
-        return found
-
-    auto = frozen_router_runs()
-    monkeypatch.setenv("MOE_REPLAY_PATH", "general")
-    general = frozen_router_runs()
-    for (a, x), (b, y) in zip(auto, general, strict=True):
-        assert torch.equal(a, b) and torch.equal(x, y)
+    assert_as_general(model, routes, monkeypatch, modes=(False, FROZEN))
 
 
 class _OwnChoiceBlock(modeling_qwen3_moe.Qwen3MoeSparseMoeBlock):
