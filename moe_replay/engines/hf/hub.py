@@ -54,7 +54,9 @@ class RouterHub:
         self.redirects = Redirects()  # routers whose own torch.topk alone is intercepted
         self._wrappers: dict = {}  # the patched methods, reused by the next contexts while what they wrap holds
         self._patches = Patches(owner=self)
-        self._installed: tuple[bool, ...] | None = None  # `_blocks_free()` when the patches were last installed
+        # per router, whether its MoE block runs unwrapped (`_blocks_free()` when the patches were last installed:
+        # its router is alone in both of the block's modes; paths.py); None until an install completes
+        self.unwrapped: tuple[bool, ...] | None = None
         self._watch: tuple[Unchanged, dict] | None = None  # what `watched` read and returned at the last install
         # what each router's calls taught (facts.py), looked up by `_install` whenever the patches are not set again
         # exactly as they were; per router, the training modes in which its MoE block needs no interception (its
@@ -182,7 +184,7 @@ class RouterHub:
     def _install(self) -> None:
         general = general_path()  # (MOE_REPLAY_PATH=general: every MoE block wrapped, no fact acted on; paths.py)
         if general != self.general:
-            self._installed, self.general = None, general  # (installed the other way: made afresh)
+            self.unwrapped, self.general = None, general  # (installed the other way: made afresh)
         free = self._blocks_free()  # which routers' MoE blocks need no wrapper
         kept = self._watch
         same = kept is not None and kept[0].holds()  # (`watched` walks every class's namespace: this runs per context)
@@ -192,7 +194,7 @@ class RouterHub:
             seen = Unchanged(self.sites)  # (taken first: a change in between is found by the next context)
             watch = watched(self.sites)
             self._watch = (seen, watch)
-        if same and free == self._installed and not stale(self.warm.facts, watch) and self._patches.redo():
+        if same and free == self.unwrapped and not stale(self.warm.facts, watch) and self._patches.redo():
             # no router's or block's class, method or own forward changed since the last install (an unwrapped block
             # has no patch for `redo` to check), and the last context's patches are set again as they were (which
             # also means no other hub's patch is on its modules): the facts the hub kept still hold
@@ -209,7 +211,7 @@ class RouterHub:
                     f"router {site.name!r} is already hooked by a context opened on "
                     f"{type(other.model).__name__}; open every record/replay context of a model on the same module"
                 )
-        self._installed = None  # until every patch below is set (a failed install is undone, never redone)
+        self.unwrapped = None  # until every patch below is set (a failed install is undone, never redone)
         self._patches.set(self.model, MARKER, self)
         patch = partial(self._patches.patch, kept=self._wrappers)
         for module in self._tracked:
@@ -225,7 +227,7 @@ class RouterHub:
             patch(site.router, "forward", lambda inner, i=i, s=site: router_wrapper(self, i, inner, s.logits_index))
         for layer, router in self.layout.idle:  # PEFT copies that did not run at entry must not run inside
             patch(router, "forward", partial(refuse_idle, layer))
-        self._installed = free
+        self.unwrapped = free
 
 
 def open_contexts(model: nn.Module) -> tuple[int, int]:

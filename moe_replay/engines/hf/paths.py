@@ -91,7 +91,7 @@ def before_call(hub: Any, session: Any, i: int, router: nn.Module, step: Step | 
     """
     if step is None or session.calls[i] is not None or _graph_task() != -1:
         return CALL
-    if not hub.router_only[i].get(hub.sites[i].scope.training):  # (alone in its block's mode)
+    if not hub.unwrapped[i] and not hub.router_only[i].get(hub.sites[i].scope.training):  # (alone: its block's mode)
         return CALL
     training = router.training
     index = hub.record_from[i]  # (None unless the open contexts only record)
@@ -116,7 +116,7 @@ def in_call(hub: Any, session: Any, call: Any, router: nn.Module, is_router: boo
         'redirect'
     """
     i = call.index
-    alone = hub.router_only[i].get(call.site.scope.training)  # (None throughout under MOE_REPLAY_PATH=general)
+    alone = hub.unwrapped[i] or hub.router_only[i].get(call.site.scope.training)  # (never under general)
     if is_router and alone and call.plan is None and not call.recompute and session.reads_output(i, router):
         if hub.facts[i].output_index.get(router.training) is not None:
             return HOLD
