@@ -2,7 +2,8 @@
 
 Every fact these rows read is the router's own, for the training mode it runs in (facts.py): "alone" is a router whose
 top-k ran inside itself in every call seen with its MoE block in the block's mode (`RouterFacts.topk_in_router`,
-`hub.router_only`). A block is wrapped until its router is alone in both modes; its wrapper asks `before_block`:
+`hub.router_only`). A block is wrapped until its router is alone in both modes (then `hub.unwrapped`); its wrapper
+asks `before_block`:
 
     situation of the MoE block's forward                                               path
     ---------------------------------------------------------------------------------  ----------------------------
