@@ -73,7 +73,8 @@ class ClassFacts:
     def of(self, site: RouterSite) -> RouterFacts:
         """The facts of the router at `site` and the modules there now (empty until their calls teach them)."""
         key = site_key(site)
-        kept = [f for f in self.routers.get(site.name, ()) if all(ref() is not None for ref in f.learned_on[:2])]
+        alive = [f for f in self.routers.get(site.name, ()) if f.learned_on]  # (a copy's facts forgot their modules)
+        kept = [f for f in alive if all(ref() is not None for ref in f.learned_on[:2])]
         found = next((f for f in kept if f.learned_on == key), None)
         if found is None:
             found = RouterFacts(learned_on=key)
