@@ -21,6 +21,15 @@ def tiny_qwen3_moe(seed: int = 0, *, layers: int = 3, experts: int = 8, top_k: i
     return tiny_moe(seed, **shape, vocab=VOCAB, router_std=0.5, intermediate_size=96, pad_token_id=PAD)
 
 
+def own_choice_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A Qwen3-MoE block's forward that picks its experts itself: the top-k of the negated router logits."""
+    batch, length, width = hidden_states.shape
+    flat = hidden_states.view(-1, width)
+    logits, _, _ = self.gate(flat)
+    weights, experts = torch.topk(-logits, self.gate.top_k, dim=-1)
+    return self.experts(flat, experts, weights.softmax(-1)).reshape(batch, length, width)
+
+
 def left_padded(batch: int, length: int, pads: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, T] and attention_mask [B, T] with pads[b] left-padding positions in row b."""
     g = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import left_padded, perturb, tiny_qwen3_moe
+from helpers import left_padded, own_choice_forward, perturb, tiny_qwen3_moe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from moe_replay import keep_warm, record_routes, replay_routes
@@ -191,16 +191,7 @@ class _OwnChoiceBlock(modeling_qwen3_moe.Qwen3MoeSparseMoeBlock):
     """A Qwen3-MoE block class that picks its own experts (the top-k of the negated router logits)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return _own_choice(self, hidden_states)
-
-
-def _own_choice(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A Qwen3-MoE block's forward that picks its experts itself."""
-    batch, length, width = hidden_states.shape
-    flat = hidden_states.view(-1, width)
-    logits, _, _ = self.gate(flat)
-    weights, experts = torch.topk((-logits).softmax(-1), self.gate.top_k, dim=-1)
-    return self.experts(flat, experts, weights).reshape(batch, length, width)
+        return own_choice_forward(self, hidden_states)
 
 
 @pytest.mark.parametrize("how", ["class swapped in place", "module replaced", "unwrapped block's class swapped"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import types
 
 import torch
-from helpers import left_padded, perturb, recorded, tiny_qwen3_moe
+from helpers import left_padded, own_choice_forward, perturb, recorded, tiny_qwen3_moe
 
 from moe_replay import keep_warm, record_routes, replay_routes
 
@@ -49,22 +49,13 @@ def test_what_contexts_learn_is_kept_only_inside_keep_warm(qwen):
     assert set(qwen.__dict__) == before
 
 
-def _own_choice(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A Qwen3-MoE block's forward that picks its experts itself: the top-k of the negated router logits."""
-    batch, length, width = hidden_states.shape
-    flat = hidden_states.view(-1, width)
-    logits, _, _ = self.gate(flat)
-    weights, experts = torch.topk(-logits, self.gate.top_k, dim=-1)
-    return self.experts(flat, experts, weights.softmax(-1)).reshape(batch, length, width)
-
-
 def test_a_block_that_selects_on_its_own_is_learned_for_its_router_alone(qwen, monkeypatch):
     """Layer 0's MoE block selects its experts itself; layer 2's is the stock block, whose router selects. Inside
     `keep_warm`, every context records and replays what the general path does (found by review: the last router to
     run set its class's fact to "top-k inside the router", and the next context left layer 0's block unwrapped, so
     its own choice went unrecorded and unreplayed, with no error)."""
     block = qwen.model.layers[0].mlp
-    block.forward = types.MethodType(_own_choice, block)
+    block.forward = types.MethodType(own_choice_forward, block)
     ids, mask = left_padded(2, 5, [0, 1])
     routes = recorded(qwen, ids, mask)
     perturb(qwen)
