@@ -50,9 +50,9 @@ def test_two_processes_replay_their_own_rows(tmp_path):
     assert [r["world"] for r in results] == [2, 2]
     for r in results:
         assert r["used"] and all(r["used"])  # every loss forward used the replayed experts
-        # each rank's routes are its own rows': they agree with a live forward of those rows (up to a rare
-        # near-tie flip between KV-cached decode and a full forward), where one position of shift would not
-        assert min(r["agree"]) >= 0.97 and max(r["shifted"]) < 0.5
+        # each rank's routes are its own rows': they agree with a live forward of those rows wherever it has no
+        # near-tie, where one position of shift would not
+        assert min(r["agree"]) == 1.0 and max(r["shifted"]) < 0.5
         assert max(r["logps"]) < 1e-4
         assert any(m is not None for m in r["moved"])
     assert results[0]["prompts"] != results[1]["prompts"]  # each process generated its own rows

@@ -51,6 +51,7 @@ def config(tmp_path: Any, **kw: Any) -> GRPOConfig:
         logging_steps=1,
         report_to=[],
         use_cpu=True,
+        bf16=False,  # TRL's default is bf16 autocast; fp32 keeps generate and a full forward within ~1e-6 (near_ties)
         learning_rate=3e-2,
         seed=0,
         save_strategy="no",
@@ -86,19 +87,42 @@ class Spy(RoutingReplayGRPOTrainer):
                 self, self.model, ids, mask, out["completion_ids"].shape[1]
             )[0]
             with record_routes(self._core(self.model)) as rec:
-                self.model(ids, attention_mask=mask)
-        self.generated.append({**out, "live_logps": live, "live_routes": rec.routes, "input_ids": ids})
+                logits = self.model(ids, attention_mask=mask, output_router_logits=True).router_logits
+        ties = near_ties(logits, rec.routes.layers[0].top_k, ids.shape)
+        live_out = {"live_logps": live, "live_routes": rec.routes, "router_logits": logits, "near_ties": ties}
+        self.generated.append({**out, **live_out, "input_ids": ids})
         return out
 
 
-def agreement(indices: torch.Tensor, mask: torch.Tensor, live: Routes, shift: int = 0) -> float:
-    """Share of (token, layer) expert sets in `indices` [B, T, L, K] (at `mask`) equal to `live`'s, optionally with
-    `indices` moved `shift` positions right. Generate's KV-cached decode and a full forward differ by float noise, so
-    a near-tie may flip (rarely, here); a misaligned or wrong row disagrees almost everywhere."""
-    a = indices.long().sort(-1).values.roll(shift, 1)
+MARGIN = 1e-3  # router logits closer than this at the top-k boundary are a near-tie (see near_ties)
+
+
+def near_ties(router_logits: tuple[torch.Tensor, ...], top_k: int, shape: tuple[int, int]) -> torch.Tensor:
+    """bool [B, T, L]: where a live forward's router logits (one [B·T, E] per MoE layer, `output_router_logits`) put
+    the k-th and the (k+1)-th expert within `MARGIN` of each other. Generate's KV-cached decode and a full forward
+    compute the same router logits up to float noise of ~1e-6 (fp32, logits of order 1; `config` turns TRL's
+    default bf16 autocast off, under which the noise is whole bf16 steps of ~0.02), which can swap the experts of a
+    near-tie and of nothing else; which pairs are near-ties depends on the CPU's vector units and library versions,
+    so comparisons leave them out instead of allowing a share of disagreement."""
+    B, T = shape
+    gaps = []
+    for scores in router_logits:
+        top = scores.float().topk(top_k + 1, dim=-1).values
+        gaps.append((top[:, top_k - 1] - top[:, top_k]).reshape(B, T))
+    return torch.stack(gaps, -1) < MARGIN
+
+
+def agreement(gen: dict[str, Any], shift: int = 0) -> float:
+    """Share of the (token, layer) expert sets a generation's routes (`gen[INDICES]` [B, T, L, K] at `gen[MASK]`,
+    optionally moved `shift` positions right) hold that equal a live forward's (`gen["live_routes"]`), near-ties of
+    the live forward left out. The routes of the right rows at the right positions agree everywhere (1.0); a
+    misaligned or foreign row disagrees almost everywhere."""
+    live = gen["live_routes"]
+    a = gen[INDICES].long().sort(-1).values.roll(shift, 1)
     b = live.indices.long().sort(-1).values
-    m = mask.roll(shift, 1) & live.mask
-    return float((a == b).all(-1).all(-1)[m].float().mean())
+    m = (gen[MASK].roll(shift, 1) & live.mask).unsqueeze(-1) & ~gen["near_ties"]
+    assert m.any(), "no (token, layer) pair left to compare"
+    return float((a == b).all(-1)[m].float().mean())
 
 
 def make(tmp_path: Any, routing_replay: str | None, cls: type = Spy, model: Any = None, **kw: Any) -> Any:

@@ -23,8 +23,8 @@ def main(out: str) -> None:
         used.append(bool(m.any()) and torch.equal(rec.indices.sort(-1).values[m], replayed.indices.sort(-1).values[m]))
     agree, shifted, logps = [], [], []
     for gen in trainer.generated:
-        agree.append(agreement(gen[INDICES], gen[MASK], gen["live_routes"]))
-        shifted.append(agreement(gen[INDICES], gen[MASK], gen["live_routes"], shift=1))
+        agree.append(agreement(gen))
+        shifted.append(agreement(gen, shift=1))
         diff = (gen["old_per_token_logps"] - gen["live_logps"]) * gen["completion_mask"]
         logps.append(float(diff.abs().max()))
     result = {
