@@ -11,7 +11,7 @@ from trl_utils import Spy, agreement, config, logged, make, prompts, reward, tin
 
 from moe_replay.errors import ReplayError
 from moe_replay.integrations.trl import RoutingReplayGRPOTrainer
-from moe_replay.integrations.trl.trainer import INDICES, MASK
+from moe_replay.integrations.trl.trainer import INDICES
 from moe_replay.tiny import tiny_tokenizer
 
 from trl import GRPOTrainer  # isort: skip

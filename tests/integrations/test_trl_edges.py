@@ -9,7 +9,7 @@ import torch
 from trl_utils import Spy, agreement, make, tiny_policy
 
 from moe_replay.errors import ReplayError
-from moe_replay.integrations.trl.trainer import INDICES, MASK
+from moe_replay.integrations.trl.trainer import MASK
 
 
 def test_an_extra_stop_token_is_refused_where_trl_would_not_cut_there_and_trains_where_it_does(tmp_path):

@@ -17,7 +17,7 @@ from trl_utils import Spy, agreement, config, prompts, reward, tiny_policy
 from moe_replay import LayerInfo, Routes, Segment, assemble_routes, record_routes
 from moe_replay.errors import ReplayError
 from moe_replay.integrations.trl.rollout import left_padded, taking_routes
-from moe_replay.integrations.trl.trainer import INDICES, MASK, refuse_settings
+from moe_replay.integrations.trl.trainer import MASK, refuse_settings
 from moe_replay.integrations.vllm import routes_from_vllm
 from moe_replay.tiny import tiny_tokenizer
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import trl.trainer.grpo_trainer as grpo_module
 from datasets import Dataset
-from trl_utils import INDICES, MASK, Spy, agreement, config, reward, tiny_policy
+from trl_utils import MASK, Spy, agreement, config, reward, tiny_policy
 
 from moe_replay.integrations.trl.tools import tool_loop_routes
 from moe_replay.routes import LayerInfo, Routes

@@ -10,8 +10,6 @@ from pathlib import Path
 import torch
 from trl_utils import agreement, make
 
-from moe_replay.integrations.trl.trainer import INDICES, MASK
-
 
 def main(out: str) -> None:
     trainer = make(Path(out) / "run", "rollout", max_steps=2, steps_per_generation=2)
