@@ -48,10 +48,16 @@ class Packed(NamedTuple):
     cu_seqlens_padded: torch.Tensor
 
 
-def _token_mask(
+def token_mask(
     attention_mask: torch.Tensor, device: torch.device, shape: tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """`attention_mask` [B, T] as bool on `device`, checked (0/1 values; the routes' (B, T) when `shape` is given)."""
+    """`attention_mask` [B, T] as bool on `device`, checked (0/1 integers or bools, never floats, which a 0.5 would
+    pass as real; the routes' (B, T) when `shape` is given).
+
+    Example:
+        >>> token_mask(torch.tensor([[0, 1, 1]]), torch.device("cpu")).tolist()
+        [[False, True, True]]
+    """
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         raise ValueError(f"attention_mask must be a [B, T] tensor, got {got}")
@@ -79,7 +85,7 @@ def pack_routes(routes: Routes, attention_mask: torch.Tensor, *, multiple: int =
         raise ValueError(f"pack_routes needs a Routes, got {type(routes).__name__}")
     if not is_integer_scalar(multiple) or multiple < 1:
         raise ValueError(f"multiple must be a whole number >= 1, got {multiple!r}")
-    keep = _token_mask(attention_mask, routes.device, (routes.batch_size, routes.seq_len))
+    keep = token_mask(attention_mask, routes.device, (routes.batch_size, routes.seq_len))
     stray = routes.mask & ~keep
     if stray.any():
         b, t = (int(x) for x in stray.nonzero()[0])
@@ -115,7 +121,8 @@ def unpack_routes(
     """The batch [B, T, L, K] of a packed row `packed` [1, N, L, K]: sequence i's `cu_seqlens` length of tokens,
     starting at `cu_seqlens_padded[i]` (default `cu_seqlens`), go to the positions row i of `attention_mask` [B, T]
     keeps; routes in the padding between sequences (a recording on the packed row routes its padding tokens too) are
-    dropped. Raise ValueError when the boundaries do not match the mask's lengths or the row.
+    dropped. Raise ValueError when the boundaries do not match the mask's lengths or the row, or (`PackedRoutes`,
+    which know their own) differ from the routes' own boundaries.
 
     Example:
         >>> routes = unpack_routes(packed.routes, packed.cu_seqlens, attention_mask,
@@ -124,11 +131,18 @@ def unpack_routes(
     if not isinstance(packed, Routes) or packed.batch_size != 1:
         what = f"B={packed.batch_size}" if isinstance(packed, Routes) else type(packed).__name__
         raise ValueError(f"unpack_routes needs packed Routes of one row (B=1), got {what}")
-    keep = _token_mask(attention_mask, packed.device)
+    keep = token_mask(attention_mask, packed.device)
     B, T = keep.shape
     lengths = keep.sum(1).cpu()
     cu = boundaries(torch.as_tensor(cu_seqlens), "cu_seqlens", B)
-    if cu_seqlens_padded is None and isinstance(packed, PackedRoutes):
+    if isinstance(packed, PackedRoutes):  # the packed row knows its boundaries: any given must be the same
+        for name, own, value in (
+            ("cu_seqlens", packed.cu_seqlens, cu),
+            ("cu_seqlens_padded", packed.cu_seqlens_padded, cu_seqlens_padded),
+        ):
+            found = None if value is None else tuple(boundaries(torch.as_tensor(value), name).tolist())
+            if found is not None and found != own:
+                raise ValueError(f"{name}={list(found)} was given for {packed.where()}, whose {name} are {list(own)}")
         cu_seqlens_padded = packed.cu_seqlens_padded
     given = cu_seqlens_padded is not None
     cu_padded = boundaries(torch.as_tensor(cu_seqlens_padded), "cu_seqlens_padded", B) if given else cu

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from .routes import Routes, layer_diff
+from .routes_index import is_integer_scalar
+from .routes_packed import token_mask
 from .routes_placed import PlacedRoutes
+
+VERSION_MAX = 2**31 - 1  # versions are stored as int32
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,8 @@ def assemble_routes(segments: Sequence[Segment], attention_mask: torch.Tensor) -
     segments = list(segments)
     if not segments:
         raise ValueError("assemble_routes needs at least one Segment")
-    keep = torch.as_tensor(attention_mask).bool().cpu()  # (masks and offsets on any device: assembled on the CPU)
+    cpu = torch.device("cpu")  # (masks and offsets on any device: assembled on the CPU)
+    keep = token_mask(torch.as_tensor(attention_mask), cpu)
     B, T = keep.shape
     for s, seg in enumerate(segments):
         _check(seg, s, segments, B)
@@ -76,7 +81,14 @@ def assemble_routes(segments: Sequence[Segment], attention_mask: torch.Tensor) -
     for s, seg in enumerate(segments):
         start = _per_row(seg.start, B, "start", s)
         sampled_from = _per_row(seg.sampled_from, B, "sampled_from", s)
-        real = seg.attention_mask.bool().cpu()
+        real = token_mask(seg.attention_mask, cpu)
+        stray = seg.routes.mask.cpu() & ~real
+        if stray.any():  # (a left-padded turn given a right-padded mask: its routes would land `pad` positions off)
+            i, t = (int(x) for x in stray.nonzero()[0])
+            raise ValueError(
+                f"segment {s}, conversation {i}: a route is recorded at position {t} of the segment's batch, which "
+                "its attention_mask marks padding: the mask is not the one of the forward that recorded the routes"
+            )
         conv = real.long().cumsum(1) - 1 + start[:, None]  # each real token's conversation position
         beyond = real & (conv >= lengths[:, None])
         if beyond.any():
@@ -85,7 +97,7 @@ def assemble_routes(segments: Sequence[Segment], attention_mask: torch.Tensor) -
                 f"segment {s}, conversation {i}: it reaches position {int(conv[i][real[i]].max())} but the assembled "
                 f"batch holds {int(lengths[i])} tokens of it"
             )
-        b, t = (seg.routes.mask.cpu() & real).nonzero(as_tuple=True)  # (CPU index tensors from here on)
+        b, t = seg.routes.mask.cpu().nonzero(as_tuple=True)  # (CPU index tensors from here on)
         p = conv[b, t]
         d, sampled = column[b, p], p >= sampled_from[b]
         held = claimed[b, d] >= 0
@@ -106,7 +118,7 @@ def assemble_routes(segments: Sequence[Segment], attention_mask: torch.Tensor) -
         rows = src.index_select(0, (b * seg.routes.seq_len + t).to(src.device)).cpu()
         _flat(indices).index_copy_(0, b * T + d, rows)
         mask[b, d] = True
-        version[b, d] = seg.version
+        version[b, d] = int(seg.version)
         claimed[b[sampled[take]], d[sampled[take]]] = s
     return Routes._trusted(indices, mask, first.layers, version)  # (ids from valid Routes; versions ints >= 0)
 
@@ -119,16 +131,28 @@ def _flat(indices: torch.Tensor) -> torch.Tensor:
 
 
 def _is_count(value: object) -> bool:
-    """Whether `value` is an int >= 0 (a policy version or an age; a bool is not one)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """Whether `value` is a whole number >= 0 (an int, a numpy integer or a 0-d integer tensor; a policy version or an
+    age; a bool is not one)."""
+    return is_integer_scalar(value) and int(value) >= 0
 
 
 def _per_row(value: int | Sequence[int] | torch.Tensor, B: int, name: str, s: int) -> torch.Tensor:
-    out = torch.as_tensor(value, dtype=torch.long).cpu()
+    """`value` (one whole number >= 0, or one per conversation) as a long CPU tensor [B]; a float is refused, never
+    truncated."""
+    wrong = ValueError(
+        f"segment {s}: {name} must be one whole number >= 0 or one per conversation (B={B}), got {value!r}"
+    )
+    try:
+        given = torch.as_tensor(value).cpu()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise wrong from e
+    if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+        raise wrong
+    out = given.long()
     if out.dim() == 0:
         out = out.expand(B)
     if out.shape != (B,) or (out < 0).any():
-        raise ValueError(f"segment {s}: {name} must be one int >= 0 or one per conversation (B={B}), got {value!r}")
+        raise wrong
     return out
 
 
@@ -146,8 +170,11 @@ def _check(seg: Segment, s: int, segments: list[Segment], B: int) -> None:
             f"segment {s}: routes are B={seg.routes.batch_size}, T={seg.routes.seq_len} and its attention_mask "
             f"{tuple(seg.attention_mask.shape)}, but the assembled batch has B={B} conversations"
         )
-    if not _is_count(seg.version):
-        raise ValueError(f"segment {s}: version must be an int >= 0 (a policy version), got {seg.version!r}")
+    if not _is_count(seg.version) or int(seg.version) > VERSION_MAX:
+        raise ValueError(
+            f"segment {s}: version must be a whole number from 0 to {VERSION_MAX} (a policy version), "
+            f"got {seg.version!r}"
+        )
     if s and seg.version < segments[s - 1].version:
         raise ValueError(
             f"segment {s} has version {seg.version} after segment {s - 1}'s {segments[s - 1].version}: versions "
@@ -169,12 +196,11 @@ def fresh(routes: Routes, current: int, max_age: int) -> Routes:
     for name, value in (("current", current), ("max_age", max_age)):
         if not _is_count(value):
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    ahead = routes.mask & (routes.version > current)
+    version, current, max_age = routes.version.long(), int(current), int(max_age)  # (int64: no int32 wrap)
+    ahead = routes.mask & (version > current)
     if ahead.any():
         b, t = (int(x) for x in ahead.nonzero()[0])
-        raise ValueError(
-            f"sequence {b}, position {t} has version {int(routes.version[b, t])}, newer than current={current}"
-        )
-    mask = routes.mask & (current - routes.version <= max_age)
+        raise ValueError(f"sequence {b}, position {t} has version {int(version[b, t])}, newer than current={current}")
+    mask = routes.mask & (current - version <= max_age)
     kept = Routes._trusted(routes.indices, mask, routes.layers, routes.version)
     return type(routes).placed(kept, **routes.place()) if isinstance(routes, PlacedRoutes) else kept

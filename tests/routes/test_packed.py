@@ -71,15 +71,32 @@ def test_packing_errors_name_both_sides():
     with pytest.raises(ValueError, match="sequence 0 has a route recorded at position 0, which its attention_mask"):
         pack_routes(routes, shifted)
     packed = pack_routes(routes, keep, multiple=4)
+    row = Routes(packed.routes.indices, packed.routes.mask, LAYERS)  # a plain row: the boundaries come from the caller
     with pytest.raises(ValueError, match="sequence 0: cu_seqlens give 4 tokens but its attention_mask row keeps 3"):
-        unpack_routes(packed.routes, torch.tensor([0, 4, 7]), keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+        unpack_routes(row, torch.tensor([0, 4, 7]), keep, cu_seqlens_padded=packed.cu_seqlens_padded)
     with pytest.raises(ValueError, match="cu_seqlens has 2 entries but 2 sequences need 3"):
-        unpack_routes(packed.routes, torch.tensor([0, 7]), keep)
+        unpack_routes(row, torch.tensor([0, 7]), keep)
     with pytest.raises(ValueError, match="must start at 0 and never decrease, got \\[1, 4, 8\\]"):
-        unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([1, 4, 8]))
+        unpack_routes(row, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([1, 4, 8]))
     with pytest.raises(ValueError, match="do not hold the sequences' lengths \\[3, 4\\] within the packed row of N=8"):
-        unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([0, 4, 9]))
+        unpack_routes(row, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match="1-D integer tensor, got torch.float32"):
         unpack_routes(packed.routes, packed.cu_seqlens.float(), keep)
     with pytest.raises(ValueError, match="packed Routes of one row \\(B=1\\), got B=2"):
         unpack_routes(routes, packed.cu_seqlens, keep)
+
+
+def test_unpack_refuses_boundaries_that_contradict_the_packed_routes_own():
+    """`cu_seqlens` passed for `cu_seqlens_padded` after `multiple=4` (found by review: every later sequence was read
+    one or more positions early, no error); `routes_to_cp` refuses the same contradiction."""
+    routes, keep = batch([3, 5, 2], T=6, left=False)
+    packed = pack_routes(routes, keep, multiple=4)
+    assert packed.cu_seqlens.tolist() != packed.cu_seqlens_padded.tolist()
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded=\[0, 3, 8, 10\] was given for packed sequences starting "
+                       r"at \[0, 4, 12\], whose cu_seqlens_padded are \[0, 4, 12, 16\]"):  # fmt: skip
+        unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens)
+    with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 4, 12, 16\] was given .* whose cu_seqlens are \[0, 3, 8"):
+        unpack_routes(packed.routes, packed.cu_seqlens_padded, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+    # the routes' own boundaries, given or not, read every recorded position back
+    for given in ({}, {"cu_seqlens_padded": packed.cu_seqlens_padded}):
+        assert unpack_routes(packed.routes, packed.cu_seqlens, keep, **given).equal(routes)

@@ -175,7 +175,9 @@ def test_conflicts_versions_and_bad_segments_are_refused():
         assemble_routes([late, seg2], mask)
     with pytest.raises(ValueError, match="segment 0, conversation 0: it reaches position .* holds 2 tokens"):
         assemble_routes([seg1], torch.tensor([[1, 1], [1, 1]]))
-    with pytest.raises(ValueError, match=r"segment 0: sampled_from must be one int >= 0 or one per conversation"):
+    with pytest.raises(
+        ValueError, match=r"segment 0: sampled_from must be one whole number >= 0 or one per conversation"
+    ):
         assemble_routes([Segment(seg1.routes, seg1.attention_mask, 0, [1, 2, 3])], mask)
     with pytest.raises(ValueError, match="has version 5, newer than current=4"):
         fresh(Routes(seg1.routes.indices, seg1.routes.mask, seg1.routes.layers,
@@ -183,12 +185,50 @@ def test_conflicts_versions_and_bad_segments_are_refused():
     with pytest.raises(ValueError, match="fresh needs routes with versions"):
         fresh(seg1.routes, current=0, max_age=1)
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match=r"segment 0: version must be an int >= 0 \(a policy version\)"):
+        with pytest.raises(
+            ValueError, match=r"segment 0: version must be a whole number from 0 to 2147483647 \(a policy version\)"
+        ):
             assemble_routes([Segment(seg1.routes, seg1.attention_mask, bad, seg1.sampled_from)], first)
     versioned = assemble_routes([seg1], first)
     for current, max_age, name in ((2.0, 1, "current"), (-1, 1, "current"), (2, None, "max_age"), (2, -1, "max_age")):
         with pytest.raises(ValueError, match=f"{name} must be an int >= 0, got"):
             fresh(versioned, current=current, max_age=max_age)
+
+
+def test_segments_that_contradict_themselves_are_refused_not_misread():
+    """Each was read silently (found by review): a left-padded turn given a right-padded mask (its routes landed `pad`
+    positions off, those the mask calls padding dropped), a mask of 0.5s (read as all real), float offsets (truncated);
+    a version past int32 raised torch's overflow, and a numpy integer version was refused."""
+    import numpy as np
+
+    model = tiny_qwen3_moe(0).eval()
+    rows, (seg1, seg2), _, turn1 = _conversation(model)
+    first = _left_pad([r[:t] for r, t in zip(rows, turn1, strict=True)])[1]
+    right = seg1.attention_mask.flip(1)  # the same lengths, padded on the other side
+    with pytest.raises(ValueError, match="segment 0, conversation 1: a route is recorded at position 7 of the "
+                       "segment's batch, which its attention_mask marks padding"):  # fmt: skip
+        assemble_routes([Segment(seg1.routes, right, 0, seg1.sampled_from)], first)
+    half = seg1.attention_mask * 0.5
+    with pytest.raises(ValueError, match="0/1 integers or bools, got torch.float32"):
+        assemble_routes([Segment(seg1.routes, half, 0, seg1.sampled_from)], first)
+    with pytest.raises(ValueError, match="0/1 integers or bools, got torch.float32"):
+        assemble_routes([seg1], first.float())
+    for name, bad in (("sampled_from", seg1.sampled_from.float() + 0.5), ("sampled_from", 3.0), ("start", 0.5)):
+        kw = {"sampled_from": seg1.sampled_from, name: bad}
+        with pytest.raises(ValueError, match=f"segment 0: {name} must be one whole number >= 0"):
+            assemble_routes([Segment(seg1.routes, seg1.attention_mask, 0, **kw)], first)
+    with pytest.raises(ValueError, match="version must be a whole number from 0 to 2147483647"):
+        assemble_routes([Segment(seg1.routes, seg1.attention_mask, 2**31, seg1.sampled_from)], first)
+    top = assemble_routes([Segment(seg1.routes, seg1.attention_mask, 2**31 - 1, seg1.sampled_from)], first)
+    assert int(top.version[top.mask].min()) == 2**31 - 1
+    numpy_version = assemble_routes([Segment(seg1.routes, seg1.attention_mask, np.int64(3), seg1.sampled_from)], first)
+    assert numpy_version.equal(
+        assemble_routes([Segment(seg1.routes, seg1.attention_mask, 3, seg1.sampled_from)], first)
+    )
+    # fresh compares in int64: a current past 2**31 ages every route (int32 wrapped it and kept them all as fresh)
+    assert not fresh(top, current=2**32, max_age=5).mask.any()
+    assert torch.equal(fresh(top, current=2**31 + 3, max_age=5).mask, top.mask)
+    assert torch.equal(fresh(numpy_version, current=np.int64(4), max_age=np.int64(1)).mask, numpy_version.mask)
 
 
 def test_nothing_recorded_is_lost_through_files_packing_and_selection(tmp_path):
