@@ -61,7 +61,8 @@ def routes_from_sglang(
     `start_len` is the `routed_experts_start_len` the requests were sent with (one for all, or one per response;
     SGLang 0.5.23 does not echo it in `meta_info`): the routes then begin at that position and the ones before it
     stay unrecorded. The trainer `model` (or a list of `LayerInfo`) names the layers, E and K, and gives the payload's
-    column count (`num_hidden_layers`; `num_layers` overrides it, else it is read off the payload's size). Raises
+    column count (`num_hidden_layers`; `num_layers` overrides it, and is needed with a list of `LayerInfo`: the payload
+    has no shape, and its size fits more than one split). Raises
     ValueError, naming the response ("SGLang response 3"), its field and both sides, for a payload that is not
     base64 or whose size is not a multiple of columns x K x 4 bytes, a row whose length is not prompt + completion -
     1 - start_len, null or non-integer counts, L, K or E that do not match, bad ids, or responses without routes.
@@ -75,12 +76,18 @@ def routes_from_sglang(
     if isinstance(responses, str | bytes) or not isinstance(responses, Iterable):
         raise ValueError(f"SGLang responses must be a list of response dicts, got {shown(responses)}")
     responses = list(responses)
-    K, L = layers[0].top_k, len(layers)
+    K = layers[0].top_k
     decoder = None if isinstance(model, Sequence) else decoder_layers(model)
     columns = decoder if num_layers is None else whole(num_layers, "SGLang", "num_layers") or None
+    if columns is None:  # (read off the size, a start_len off by one re-read 5 positions x 4 columns as 4 x 5)
+        raise ValueError(
+            "SGLang's routes carry no shape, and a list of LayerInfo does not say how many decoder layers (columns) "
+            "they hold, which more than one split of a payload's size fits: pass num_layers= (the model's "
+            "num_hidden_layers), or the model itself"
+        )
     given = start_offsets(start_len, len(responses), "start_len")
     decoded = [
-        _decode(where, meta, counts, holder, payload, field, given[i] if start_len is not None else None, K, columns, L)
+        _decode(where, meta, counts, holder, payload, field, given[i] if start_len is not None else None, K, columns)
         for i, resp in enumerate(responses)
         for where, meta, counts, holder, payload, field in _entries(resp, i)
     ]
@@ -134,8 +141,7 @@ def _decode(
     field: str,
     given: int | None,
     K: int,
-    columns: int | None,
-    L: int,
+    columns: int,
 ) -> tuple[np.ndarray, int, str, int]:
     """One row's routes [prompt + completion - 1 - start, columns, K] int32, checked against its token counts;
     `start` (the `routed_experts_start_len` given, or echoed in `meta_info`: the routes cover positions start ..
@@ -163,16 +169,6 @@ def _decode(
         )
     raw = base64_bytes(payload, where, field, empty=positions == 0)
     at = f"{where}, {field}"
-    if columns is None and not raw:  # no positions: nothing to read the column count off
-        return np.zeros((0, L, K), dtype="<i4"), start, at, prompt + completion
-    if columns is None:  # read the column count off the size
-        per_row = positions * K * 4
-        if not per_row or len(raw) % per_row:
-            raise ValueError(
-                f"{at}: {len(raw)} bytes of routes are not {positions} positions x C columns x K={K} x 4 bytes "
-                "for any C"
-            )
-        columns = len(raw) // per_row
     if len(raw) % (columns * K * 4):
         raise ValueError(
             f"{at}: {len(raw)} bytes of routes are not a multiple of L x K x 4 = {columns} x {K} x 4 (int32 ids, "

@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_payloads import (
     decoder_columns,
+    pads,
     sglang_responses,
     vllm_outputs,
 )
@@ -181,9 +182,27 @@ def test_malformed_payloads_name_the_engine_the_response_and_the_field(generatio
     form, _, layers = form.partition("/")
     payload = PAYLOADS[form](generation)
     change(payload, generation)
-    importer = routes_from_sglang if form in ("sglang", "openai") else routes_from_vllm
+    sglang = form in ("sglang", "openai")
+    importer = routes_from_sglang if sglang else routes_from_vllm
+    # (with a list of LayerInfo, SGLang's shapeless payload needs the column count: test_sglang_needs_the_column_count)
+    extra = {"num_layers": generation.model.config.num_hidden_layers} if sglang and layers else {}
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        importer(payload, generation.routes.layers if layers else generation.model)
+        importer(payload, generation.routes.layers if layers else generation.model, **extra)
+
+
+def test_sglang_needs_the_column_count_with_a_list_of_layer_info(generation):
+    """SGLang's payload has no shape: read off its size, a start_len off by one re-read 5 positions x 4 columns as
+    4 x 5, every id misplaced, no error (found by review). With a list of LayerInfo, `num_layers` is needed."""
+    g = generation
+    responses = PAYLOADS["sglang"](g)
+    with pytest.raises(ValueError, match=r"a list of LayerInfo does not say how many decoder layers .* num_layers="):
+        routes_from_sglang(responses, g.routes.layers, pad_left=pads(g))
+    got = routes_from_sglang(responses, g.routes.layers, pad_left=pads(g), num_layers=g.model.config.num_hidden_layers)
+    assert got.equal(routes_from_sglang(responses, g.model, pad_left=pads(g)))
+    with pytest.raises(
+        ValueError, match=r"SGLang response 0, .*routes hold \d+ positions but .* - routed_experts_start"
+    ):
+        routes_from_sglang(responses, g.routes.layers, num_layers=g.model.config.num_hidden_layers, start_len=1)
 
 
 def test_ids_are_checked_before_any_cast_and_errors_name_the_response(generation):

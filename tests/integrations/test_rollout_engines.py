@@ -100,8 +100,11 @@ def test_vllm_n_completions_per_request_keep_index_order(generation):
 def test_sglang(generation):
     g = generation
     imported_equal(g, routes_from_sglang(sglang_responses(g), g.model, pad_left=pads(g), seq_len=g.routes.seq_len))
-    # the column count is read off the payload when given a list of LayerInfo
-    routes = routes_from_sglang(sglang_responses(g), g.routes.layers, pad_left=pads(g), seq_len=g.routes.seq_len)
+    # with a list of LayerInfo, the column count is given (the payload has no shape)
+    columns = g.model.config.num_hidden_layers
+    routes = routes_from_sglang(
+        sglang_responses(g), g.routes.layers, pad_left=pads(g), seq_len=g.routes.seq_len, num_layers=columns
+    )
     assert routes.equal(g.routes)
 
 
