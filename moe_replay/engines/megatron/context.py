@@ -68,6 +68,7 @@ class RouterReplayContext:
         n = len(chunks)
         self._grad_forward, self._in_forward, self._forwards = [False] * n, [False] * n, [0] * n
         self._layout: list[tuple[int, ...] | None] = [None] * n  # per chunk under CP: the forward's packed rows
+        self._packed: list[PackedBounds | None] = [None] * n  # per chunk: the forward's packed boundaries, if any
         self._cp = (1, 0)  # (CP size, this rank's CP rank)
         self._active = False
 
@@ -86,7 +87,7 @@ class RouterReplayContext:
         self._prepare(sites)
         n = len(self.chunks)
         self._grad_forward, self._in_forward, self._forwards = [False] * n, [False] * n, [0] * n
-        self._layout = [None] * n
+        self._layout, self._packed = [None] * n, [None] * n
         self.sites = sites
         try:
             for site in sites:
@@ -139,10 +140,12 @@ class RouterReplayContext:
 
     def _model_pre_hook(self, chunk: int) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            packed = packed_bounds((*args, *kwargs.values()))
             if self._cp[0] > 1:  # which CP layout this forward's batch was split in (checked before anything counts)
-                layout = packed_layout((*args, *kwargs.values()))
+                layout = None if packed is None else packed[1]
                 self._check_layout(chunk, layout)
                 self._layout[chunk] = layout
+            self._packed[chunk] = packed
             self._forwards[chunk] += 1
             self._grad_forward[chunk] = torch.is_grad_enabled()
             self._in_forward[chunk] = True
@@ -208,20 +211,26 @@ class RouterReplayContext:
     def _finish(self) -> None: ...
 
 
-def packed_layout(inputs: Sequence[Any]) -> tuple[int, ...] | None:
-    """The padded document boundaries of the packed (THD) batch among a forward's inputs (its `PackedSeqParams`), by
-    which megatron-core splits the row per document under CP; None for a batch of whole sequences.
+PackedBounds = tuple[tuple[int, ...], tuple[int, ...]]  # (cu_seqlens, cu_seqlens_padded) of a packed (THD) row
+
+
+def packed_bounds(inputs: Sequence[Any]) -> PackedBounds | None:
+    """The sequence boundaries (`cu_seqlens`, and `cu_seqlens_padded` where each starts: megatron-core splits the row
+    per document by these under CP) of the packed (THD) batch among a forward's inputs (its `PackedSeqParams`); None
+    for a batch of whole sequences.
 
     Example:
-        >>> packed_layout([tokens, position_ids, None])  # doctest: +SKIP
+        >>> packed_bounds([tokens, position_ids, None]) is None  # doctest: +SKIP
+        True
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     params = next((x for x in inputs if isinstance(x, PackedSeqParams)), None)
     if params is None or params.qkv_format != "thd":
         return None
-    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    return tuple(int(x) for x in cu.reshape(-1).tolist())
+    cu = tuple(int(x) for x in params.cu_seqlens_q.reshape(-1).tolist())
+    padded = params.cu_seqlens_q_padded
+    return cu, cu if padded is None else tuple(int(x) for x in padded.reshape(-1).tolist())
 
 
 def tp_split(site: Site) -> tuple[Any, int, int]:

@@ -14,8 +14,9 @@ from torch import nn
 
 from ...errors import ReplayError
 from ...routes import Routes, index_dtype
+from ...routes_packed import PackedRoutes
 from ..autograd import in_backward
-from .context import RouterReplayContext, Site, tp_split
+from .context import PackedBounds, RouterReplayContext, Site, tp_split
 from .cp import part_of
 
 
@@ -25,6 +26,7 @@ class MegatronRouteRecorder(RouterReplayContext):
     def _prepare(self, sites: list[Site]) -> None:
         self._done: list[list[dict[str, torch.Tensor]]] = [[] for _ in self.chunks]  # per chunk, per forward
         self._layouts: list[list[tuple[int, ...] | None]] = [[] for _ in self.chunks]  # under CP: each forward's
+        self._bounds: list[list[PackedBounds | None]] = [[] for _ in self.chunks]  # each forward's packed boundaries
         self._current: list[dict[str, torch.Tensor]] = [{} for _ in self.chunks]
 
     def _router_pre_hook(self, site: Site) -> Any:
@@ -69,6 +71,7 @@ class MegatronRouteRecorder(RouterReplayContext):
             raise ReplayError(f"routers {missing} did not run in this forward; recorded only {list(current)}")
         self._done[chunk].append(current)
         self._layouts[chunk].append(self._layout[chunk])
+        self._bounds[chunk].append(self._packed[chunk])
 
     @property
     def batches(self) -> list[Routes]:
@@ -84,8 +87,11 @@ class MegatronRouteRecorder(RouterReplayContext):
             indices = torch.stack([self._done[s.chunk][n][s.name] for s in self.sites], dim=2).to(dtype)
             mask = torch.ones(indices.shape[:2], dtype=torch.bool, device=indices.device)
             routes = Routes._trusted(indices, mask, layers)
+            bounds = self._bounds[self.sites[0].chunk][n]
             if self._cp[0] > 1:  # this rank's part of the sequence, in the layout its batch was split in
                 routes = part_of(routes, *self._cp, self._layouts[self.sites[0].chunk][n])
+            elif bounds is not None:  # a packed row: its replay is checked against a forward of the same row
+                routes = PackedRoutes.placed(routes, cu_seqlens=bounds[0], cu_seqlens_padded=bounds[1])
             out.append(routes)
         return out
 
@@ -98,6 +104,11 @@ class MegatronRouteRecorder(RouterReplayContext):
             raise ValueError("nothing was recorded: run a forward inside `with record_routes(model)`")
         if len(batches) == 1:
             return batches[0]
+        if any(isinstance(b, PackedRoutes) for b in batches):
+            raise ValueError(
+                "packed rows of several forwards do not join into one Routes that knows each row's sequences: use "
+                "`rec.batches` (one PackedRoutes per forward)"
+            )
         if self._cp[0] > 1:
             if any(b.cu_seqlens_padded is not None or b.seq_len != batches[0].seq_len for b in batches):
                 raise ValueError(

@@ -15,7 +15,7 @@ from cp_worker import packed_batch, packed_params, sequence_batch  # noqa: E402
 from helpers import free_port  # noqa: E402
 from megatron_utils import megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
 
-from moe_replay import Routes, pack_routes, replay_routes, unpack_routes  # noqa: E402
+from moe_replay import PackedRoutes, Routes, pack_routes, replay_routes, unpack_routes  # noqa: E402
 from moe_replay.engines.megatron import record_routes  # noqa: E402
 from moe_replay.errors import ReplayError  # noqa: E402
 
@@ -37,6 +37,20 @@ def test_packed_row_routes_and_replays_as_the_batch():
         with record_routes(model) as rec:
             model(packed["tokens"], packed["position_ids"], None, packed_seq_params=params)
         on_row = rec.routes
+        # a recording under PackedSeqParams knows its row's sequences (found by review: it came back as plain Routes,
+        # so its replay on an unpacked forward was not checked)
+        assert isinstance(on_row, PackedRoutes)
+        assert on_row.cu_seqlens == tuple(cu.tolist()) and on_row.cu_seqlens_padded == tuple(cu_padded.tolist())
+        with pytest.raises(ReplayError, match="without PackedSeqParams"), torch.no_grad(), replay_routes(model, on_row):
+            model(packed["tokens"], packed["position_ids"], None)
+        with torch.no_grad(), replay_routes(model, on_row):
+            model(packed["tokens"], packed["position_ids"], None, packed_seq_params=params)
+        with record_routes(model) as two:
+            for _ in range(2):
+                model(packed["tokens"], packed["position_ids"], None, packed_seq_params=params)
+        assert all(isinstance(b, PackedRoutes) for b in two.batches)
+        with pytest.raises(ValueError, match="packed rows of several forwards do not join"):
+            _ = two.routes
         # every token is routed as in the batch: packing the batch's routes gives the row's, token for token
         mine = pack_routes(batch_routes, keep, multiple=4)
         assert torch.equal(mine.cu_seqlens, cu) and torch.equal(mine.cu_seqlens_padded, cu_padded)
