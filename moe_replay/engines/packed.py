@@ -4,8 +4,12 @@ as packed sequences, so that no sequence's tokens attend to another's.
 Hugging Face transformers (5.x) treats a row as packed sequences only when the forward gets `position_ids` that
 restart per sequence, no attention mask and no KV cache (`masking_utils.find_packed_sequence_indices`); with the
 default `use_cache` (a cache made for the forward) or any attention mask the sequences silently attend to each other,
-and the replayed routes then belong to another computation. megatron-core runs a packed row through
-`PackedSeqParams(qkv_format="thd")`. Each forward is checked before it runs, naming what is wrong.
+and the replayed routes then belong to another computation. Even then, families whose layers carry state along the
+row (state-space, linear or compressed attention) or build masks without `position_ids` mix the sequences: only the
+families of `PACKED_FAMILIES` (each verified against its padded forward by the family test) are accepted, any other
+refused by name. Each outermost forward of a tracked model (the model given, or an inner transformers model holding
+all its routers, such as `model.model`) is checked before it runs, naming what is wrong. megatron-core runs a packed
+row through `PackedSeqParams(qkv_format="thd")`, checked on the model given.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from ..errors import ReplayError
 from ..routes_packed import PackedRoutes
+from .packed_families import PACKED_FAMILIES
 
 CACHES = ("cache", "past_key_values", "cache_params")  # what transformers' forwards call a KV (or state) cache
 
@@ -33,31 +38,53 @@ class PackedReplayer:
         self._handle = None
 
     def __enter__(self) -> PackedReplayer:
-        check = self._check_megatron if self.megatron else self._check_transformers
-        self._handle = self.model.register_forward_pre_hook(lambda m, a, k: check(a, k), with_kwargs=True)
+        if self.megatron:
+            check = self._check_megatron
+            self._handle = self.model.register_forward_pre_hook(lambda m, a, k: check(a, k), with_kwargs=True)
+        else:
+            self._check_family()
         try:
             self.inner.__enter__()
         except BaseException:
-            self._handle.remove()
+            if self._handle is not None:
+                self._handle.remove()
             raise
+        if not self.megatron:  # (every outermost forward of a tracked model, checked before it runs: hf/steps.py)
+            self.inner.forward_check = self._check_transformers
         return self
 
     def __exit__(self, *exc: Any) -> Any:
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()
+        else:
+            self.inner.forward_check = None
         return self.inner.__exit__(*exc)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def _check_transformers(self, args: tuple, kwargs: dict[str, Any]) -> None:
-        bound = bound_arguments(self.model.forward, args, kwargs)
+    def _check_family(self) -> None:
+        family = getattr(getattr(self.model, "config", None), "model_type", None)
+        if family not in PACKED_FAMILIES:
+            raise ReplayError(
+                f"packed routes replayed on a {family!r} model ({type(self.model).__name__}): moe-replay accepts "
+                "packed rows only on the families verified to run a packed row's sequences apart "
+                f"({', '.join(sorted(PACKED_FAMILIES))}); in others, layers that carry state along the row or masks "
+                "built without position_ids let the sequences see each other. Replay the padded batch's routes on "
+                "the padded batch instead"
+            )
+
+    def _check_transformers(self, forward: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        bound = bound_arguments(forward, args, kwargs)
+        module = getattr(forward, "__self__", None)  # (the tracked model whose forward this is; else the one given)
+        config = getattr(module if isinstance(module, nn.Module) else self.model, "config", None)
         use_cache = bound.get("use_cache")
         why = None
         if bound.get("attention_mask") is not None:
             why = "it was given an attention_mask (pass attention_mask=None)"
         elif any(bound.get(name) is not None for name in CACHES):
             why = "it was given a KV cache"
-        elif use_cache is True or (use_cache is None and getattr(self.model.config, "use_cache", False)):
+        elif use_cache is True or (use_cache is None and getattr(config, "use_cache", False)):
             why = "it makes a KV cache (use_cache is on, by argument or in the model's config: pass use_cache=False)"
         elif bound.get("position_ids") is None:
             why = "it was given no position_ids (pass ones that restart at 0 for every sequence)"

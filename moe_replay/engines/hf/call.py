@@ -120,9 +120,13 @@ class Recorder(Protocol):
     def drop_streams(self, first: int) -> None:
         """Forget the streams `first` and after (a `generate` that raised)."""
 
+    def check_resume(self, stream: int) -> None:
+        """Raise before a `generate` continues `stream`'s kept KV cache unless a generate of it was recorded here."""
+
 
 class Replayer(Protocol):
     track_live: bool  # whether its plans count the live picks (`Plan.observe`)
+    forward_check: Callable[[Any, tuple, dict], None] | None  # run before each outermost forward (steps.py)
 
     def plan(self, layer: str, step: Step) -> Plan | None: ...
 

@@ -12,6 +12,10 @@ from .hub import RouterHub
 from .steps import Step
 from .stream import Stream, Taken
 
+PLAIN_FILLED = (
+    "the cache was filled by a plain forward, not a generate: continue a kept cache from generate to generate"
+)
+
 
 class RouteRecorder:
     """Context manager returned by `record_routes`; `.routes` holds what was recorded."""
@@ -55,6 +59,20 @@ class RouteRecorder:
         """Forget the streams `first` and after (those of a `generate` that raised)."""
         for sid in [sid for sid in self._streams if sid >= first]:
             del self._streams[sid]
+
+    def check_resume(self, stream: int) -> None:
+        """Raise (at the first forward of a `generate` that continues `stream`'s kept KV cache, before it runs) unless
+        this recorder holds that stream's last generate: its routes could not be placed on `out.sequences`, and the
+        whole generation would run before `on_generate` found out."""
+        known = self._streams.get(stream)
+        if known is None:
+            raise ValueError(
+                "a generate continues a kept KV cache whose earlier turns ran before this record_routes context was "
+                "opened: the routes of those turns' positions are not here to line the new ones up with; open the "
+                "context before the conversation's first turn"
+            )
+        if known.sequences is None:
+            raise ValueError(f"a generate continued a kept KV cache, but {PLAIN_FILLED}")
 
     def on_generate(
         self,
@@ -138,9 +156,7 @@ def continues(stream: Stream, sequences: torch.Tensor) -> None:
     last = stream.sequences
     problem = None
     if last is None:
-        problem = (
-            "the cache was filled by a plain forward, not a generate: continue a kept cache from generate to generate"
-        )
+        problem = PLAIN_FILLED
     elif sequences.shape[0] != last.shape[0] or sequences.shape[1] < last.shape[1]:
         problem = (
             f"it returned {tuple(sequences.shape)} but the last generate's out.sequences are {tuple(last.shape)}: "

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -83,6 +84,9 @@ class RouteReplayer:
         self.model = model
         self.routes = routes
         self.track_live = track_live
+        # called with (forward, args, kwargs) before each outermost forward of a tracked model runs (steps.py); may
+        # raise ReplayError to refuse it (a packed row's replay: engines/packed.py)
+        self.forward_check: Callable[[Any, tuple, dict], None] | None = None
         L = len(routes.layers)
         # per layer: expert slots where the live pick differs from the replayed one, and replayed tokens compared
         self._moved = torch.zeros(L, dtype=torch.int64, device=routes.device) if track_live else None

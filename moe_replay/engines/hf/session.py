@@ -126,6 +126,14 @@ class Session:
             queue.drop(step=step)
         self.taken.clear()
 
+    def check_resume(self, stream: int) -> None:
+        """Before the first forward of a `generate` that continues `stream`'s kept KV cache opens its step (tracker.py):
+        every recorder must hold that stream's last generate (record.py)."""
+        if self.recorders:
+            self.hand_over()
+            for rec in self.recorders:
+                rec.check_resume(stream)
+
     def hand_over(self) -> None:
         """Give the recorders the router calls of the steps held since the last hand-over, in order."""
         held, self.held = self.held, []

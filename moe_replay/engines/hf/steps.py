@@ -115,7 +115,10 @@ def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
                     "model in one thread at a time"
                 )
             return inner(*args, **kwargs)
-        step = tracker.begin(inner, args, kwargs, session.generating > 0)
+        for replayer in session.replayers:  # (a packed row's replay refuses a forward that would mix its sequences)
+            if replayer.forward_check is not None:
+                replayer.forward_check(inner, args, kwargs)
+        step = tracker.begin(inner, args, kwargs, session.generating > 0, session.check_resume)
         tracker.thread = thread()
         step.synced = session.synced
         if step.grad is None and session.replayers:  # began without grad: a checkpoint around the model recomputes it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -47,9 +48,17 @@ class StepTracker:
             {} if signatures is None else signatures
         )
 
-    def begin(self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generating: bool = False) -> Step:
+    def begin(
+        self,
+        forward: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        generating: bool = False,
+        on_resume: Callable[[int], None] | None = None,
+    ) -> Step:
         """Open the step of an outermost forward (`forward` is the module's unwrapped forward; `generating`: inside
-        `generate`)."""
+        `generate`). `on_resume(stream)` is called, before anything changes, when the forward is the first of a
+        generate that continues `stream`'s kept KV cache; it may raise to refuse it."""
         if not args:  # the keyword arguments are the call's arguments as they are
             bound = kwargs
         else:  # positional arguments onto the leading positional parameters' names (cached per forward)
@@ -97,6 +106,8 @@ class StepTracker:
                         "context before its first turn and pass each turn the cache the turn before left"
                     )
                 resuming = True  # a later turn of one conversation: its routes continue the stream
+                if on_resume is not None:
+                    on_resume(self.stream)
             if continuing and owner is not None and owner[0]() is cache and owner[1] != self.stream:
                 raise ValueError(
                     f"a forward continues a KV cache ({held} tokens) of an earlier batch after another batch began "

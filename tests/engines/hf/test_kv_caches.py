@@ -94,6 +94,42 @@ def test_a_conversation_over_a_kept_cache_replays_across_its_turns(qwen):
     assert torch.equal(got.mask, routes.mask) and torch.equal(got.indices[got.mask], routes.indices[routes.mask])
 
 
+def test_a_turn_recorded_without_its_earlier_turns_is_refused_before_it_runs(qwen):
+    """A record_routes opened for turn 2 only of a kept-cache conversation (nested in a context open since turn 1), or
+    a turn continuing a cache a plain forward filled, cannot place its routes: refused at the turn's first forward,
+    naming the cause (found by review: raised after the whole generation ran, the output lost, and for the nested
+    case with the plain-forward message)."""
+    from transformers import DynamicCache
+
+    ids, mask = left_padded(2, 5, [0, 2])
+    kw = {"do_sample": True, "pad_token_id": PAD, "return_dict_in_generate": True, "max_new_tokens": 3}
+    calls = []
+    handle = qwen.model.layers[0].mlp.gate.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad(), record_routes(qwen) as outer:
+            cache = DynamicCache()
+            first = qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, **kw)
+            turn = torch.cat([first.sequences, ids[:, :2]], 1)
+            mask2 = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+            calls.clear()
+            with record_routes(qwen), pytest.raises(ValueError, match="earlier turns ran before this record_routes"):
+                qwen.generate(input_ids=turn, attention_mask=mask2, cache=cache, **kw)
+            assert calls == []  # refused before any router ran
+            assert qwen.generate(input_ids=turn, attention_mask=mask2, cache=cache, **kw).sequences.shape[1] == 13
+        (routes,) = outer.batches  # the outer context, open since turn 1, recorded both turns
+        assert routes.seq_len == 13 and routes.mask[:, 8:].any()
+        with torch.no_grad(), record_routes(qwen):
+            cache = DynamicCache()
+            qwen(ids, attention_mask=mask, cache=cache, use_cache=True)  # a plain forward fills the cache
+            calls.clear()
+            following = torch.cat([ids, ids[:, :2]], 1)
+            with pytest.raises(ValueError, match="the cache was filled by a plain forward, not a generate"):
+                qwen.generate(input_ids=following, attention_mask=torch.ones_like(following), cache=cache, **kw)
+            assert calls == []
+    finally:
+        handle.remove()
+
+
 def test_a_kept_cache_turn_must_continue_the_tokens_the_cache_holds_and_sees_their_padding_as_it_ran(qwen):
     """A turn over a kept cache whose input does not start with the last turn's out.sequences (rows reordered with
     the cache, or the history edited) would put routes on other tokens: refused. A turn run without an attention
