@@ -105,3 +105,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+MARGIN = 1e-3  # router logits closer than this at the top-k boundary are a near-tie (see near_ties)
+
+
+def near_ties(router_logits: tuple[torch.Tensor, ...], top_k: int, shape: tuple[int, int]) -> torch.Tensor:
+    """bool [B, T, L]: where a forward's router logits (one [B·T, E] per MoE layer, `output_router_logits=True`) put
+    the k-th and the (k+1)-th expert within `MARGIN` of each other. Generate's KV-cached decode and a full forward
+    compute the same router logits up to float noise of ~1e-6 (fp32, logits of order 1; under bf16 autocast, as TRL's
+    default runs, whole bf16 steps of ~0.02), which can swap the experts of a near-tie and of nothing else; which pairs
+    are near-ties depends on the CPU's vector units and library versions, so comparisons of routes from two such
+    forwards leave them out instead of allowing a share of disagreement.
+
+    Example:
+        >>> out = model(ids, attention_mask=mask, output_router_logits=True)  # doctest: +SKIP
+        >>> ties = near_ties(out.router_logits, 2, ids.shape)  # doctest: +SKIP
+    """
+    B, T = shape
+    gaps = []
+    for scores in router_logits:
+        top = scores.float().topk(top_k + 1, dim=-1).values
+        gaps.append((top[:, top_k - 1] - top[:, top_k]).reshape(B, T))
+    return torch.stack(gaps, -1) < MARGIN

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
+from helpers import near_ties  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from moe_replay import Routes, record_routes  # noqa: E402
@@ -92,24 +93,6 @@ class Spy(RoutingReplayGRPOTrainer):
         live_out = {"live_logps": live, "live_routes": rec.routes, "router_logits": logits, "near_ties": ties}
         self.generated.append({**out, **live_out, "input_ids": ids})
         return out
-
-
-MARGIN = 1e-3  # router logits closer than this at the top-k boundary are a near-tie (see near_ties)
-
-
-def near_ties(router_logits: tuple[torch.Tensor, ...], top_k: int, shape: tuple[int, int]) -> torch.Tensor:
-    """bool [B, T, L]: where a live forward's router logits (one [B·T, E] per MoE layer, `output_router_logits`) put
-    the k-th and the (k+1)-th expert within `MARGIN` of each other. Generate's KV-cached decode and a full forward
-    compute the same router logits up to float noise of ~1e-6 (fp32, logits of order 1; `config` turns TRL's
-    default bf16 autocast off, under which the noise is whole bf16 steps of ~0.02), which can swap the experts of a
-    near-tie and of nothing else; which pairs are near-ties depends on the CPU's vector units and library versions,
-    so comparisons leave them out instead of allowing a share of disagreement."""
-    B, T = shape
-    gaps = []
-    for scores in router_logits:
-        top = scores.float().topk(top_k + 1, dim=-1).values
-        gaps.append((top[:, top_k - 1] - top[:, top_k]).reshape(B, T))
-    return torch.stack(gaps, -1) < MARGIN
 
 
 def agreement(gen: dict[str, Any], shift: int = 0) -> float:
