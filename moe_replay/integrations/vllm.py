@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,9 @@ import torch
 from torch import nn
 
 from ..routes import LayerInfo, Routes
+from ..routes_index import is_integer_scalar
 from ..routes_rows import pad_offsets
+from .engine_routes import EngineRoutes, Tokens
 from .payload import mapping, routes_array, shown, token_count, whole
 from .rollout import (
     batch_length,
@@ -83,25 +86,28 @@ def routes_from_vllm(
     K, decoder = layers[0].top_k, None if isinstance(model, Sequence) else decoder_layers(model)
     outputs = list(outputs)
     starts = start_offsets(prompt_start, len(outputs), "prompt_start")
-    rows, names, placed, lengths, empties = [], [], [], [], False
+    rows, names, placed, lengths, ids, empties = [], [], [], [], [], False
     for r, out in enumerate(outputs):
-        for row, split, name, tokens in _rows_of(out, r, K, starts[r]):
+        for row, split, name, tokens, token_ids in _rows_of(out, r, K, starts[r]):
             check_columns(name, row.shape[1], layers, decoder)
             rows.append(row)
             names.append(name)
             placed.append(starts[r])
             lengths.append(tokens)
+            ids.append(token_ids)
             empties |= split
     pads = pad_offsets(pad_left, len(rows))
     T = batch_length(lengths, pads) if seq_len is None else seq_len
     starts = [p + s for p, s in zip(pads, placed, strict=True)]
-    return rows_to_routes("vLLM", rows, names, layers, pad_left=starts, seq_len=T, zeros_empty=empties)
+    routes = rows_to_routes("vLLM", rows, names, layers, pad_left=starts, seq_len=T, zeros_empty=empties)
+    return EngineRoutes.of(routes, ids)
 
 
-def _rows_of(out: Any, r: int, K: int, start: int) -> list[tuple[np.ndarray, bool, str, int]]:
+def _rows_of(out: Any, r: int, K: int, start: int) -> list[tuple[np.ndarray, bool, str, int, Tokens]]:
     """[(routes of each completion of request `r`, whether the prompt routes came separately, what names it, its
-    prompt + completion tokens)]. A completions-endpoint response gives each choice its prompt's ids (several
-    prompts may share one response); others give them once. `start`: the prompt position the routes begin at."""
+    prompt + completion tokens, their ids where the output lists them)]. A completions-endpoint response gives each
+    choice its prompt's ids (several prompts may share one response); others give them once. `start`: the prompt
+    position the routes begin at."""
     where = f"vLLM output {r}"
     if out is None or isinstance(out, PLAIN):
         raise ValueError(f"{where} is {shown(out)}, not a RequestOutput or a response dict")
@@ -132,8 +138,13 @@ def _rows_of(out: Any, r: int, K: int, start: int) -> list[tuple[np.ndarray, boo
     for index, c in indexed:
         at = f"{where}, completion {index}"
         own = _field(c, "prompt_token_ids")
-        prompt = token_count(shared if own is None else own, at, "prompt_token_ids")
-        completion = token_count(_field(c, "token_ids"), at, "token_ids")
+        prompt_ids, completion_ids = shared if own is None else own, _field(c, "token_ids")
+        prompt = token_count(prompt_ids, at, "prompt_token_ids")
+        completion = token_count(completion_ids, at, "token_ids")
+        listed = not isinstance(prompt_ids, numbers.Real) and not isinstance(completion_ids, numbers.Real)
+        token_ids = None  # (counts only: the rows' tokens are not checked)
+        if listed:
+            token_ids = _ids(prompt_ids, at, "prompt_token_ids") + _ids(completion_ids, at, "token_ids")
         routes = _field(c, "routed_experts")
         if routes is None:
             if _field(c, "finish_reason") == "abort":
@@ -142,7 +153,7 @@ def _rows_of(out: Any, r: int, K: int, start: int) -> list[tuple[np.ndarray, boo
         if prompt_routes is None:
             routes = routes_array(routes, at, "routed_experts", K)
             check_row_length(f"{at}, routed_experts", routes.shape[0], prompt, completion, start, "prompt_start")
-            found.append((routes, False, f"{at}, routed_experts", prompt + completion))
+            found.append((routes, False, f"{at}, routed_experts", prompt + completion, token_ids))
             continue
         if start:
             raise ValueError(
@@ -159,8 +170,17 @@ def _rows_of(out: Any, r: int, K: int, start: int) -> list[tuple[np.ndarray, boo
                 f"{routes.shape[1:]}"
             )
         both = np.concatenate([prompt_part, routes], dtype=_holding(prompt_part.dtype, routes.dtype))
-        found.append((both, True, f"{at}, prompt_routed_experts + routed_experts", prompt + completion))
+        found.append((both, True, f"{at}, prompt_routed_experts + routed_experts", prompt + completion, token_ids))
     return found
+
+
+def _ids(value: Any, where: str, field: str) -> tuple[int, ...]:
+    """A list of token ids (list, tuple, 1-D array or tensor) as ints, or a ValueError naming the first that is not."""
+    listed = value.tolist() if isinstance(value, np.ndarray | torch.Tensor) else list(value)
+    bad = next((i for i, x in enumerate(listed) if not is_integer_scalar(x)), None)
+    if bad is not None:
+        raise ValueError(f"{where}: {field} must hold token ids (whole numbers), got {shown(listed[bad])} at {bad}")
+    return tuple(int(x) for x in listed)
 
 
 def _cached_tokens(out: Any, server: bool, where: str) -> int | None:

@@ -279,3 +279,38 @@ def test_sglang_routed_experts_start_len(generation):
     expected[2, g.rows[2].pad : g.rows[2].pad + 3] = False
     assert torch.equal(routes.mask, expected)
     assert torch.equal(routes.indices[expected], g.routes.indices[expected])
+
+
+def test_vllm_routes_know_each_rows_tokens_through_selection_and_moves(generation):
+    """`routes_from_vllm` hands on each row's prompt + completion ids (an `EngineRoutes`), so a consumer can check the
+    rows sit on their own tokens; selecting rows keeps theirs, joining or padding gives plain Routes, and an output
+    that gives only token counts has none to check."""
+    from moe_replay.integrations.engine_routes import EngineRoutes
+
+    g = generation
+    routes = routes_from_vllm(vllm_outputs(g), g.model)
+    rows = [tuple(r.prompt) + tuple(r.completion) for r in g.rows]
+    assert isinstance(routes, EngineRoutes) and routes.tokens == tuple(rows)
+    B = len(rows)
+    every_other = torch.arange(B) % 2 == 0
+    for idx, picked in (
+        ([2, 0], [2, 0]),
+        (slice(1, None), list(range(1, B))),
+        (-1, [B - 1]),
+        (every_other, list(range(0, B, 2))),
+    ):
+        part = routes[idx]
+        assert isinstance(part, EngineRoutes) and part.tokens == tuple(rows[i] for i in picked)
+        assert part.equal(Routes(routes.indices[picked], routes.mask[picked], routes.layers))
+    assert routes.to("cpu").tokens == routes.tokens
+    assert type(Routes.cat([routes, routes])) is Routes and type(routes.pad_to(routes.seq_len + 1)) is Routes
+    prompts, completions = [r.prompt for r in g.rows], [r.completion for r in g.rows]
+    routes.check_rows(prompts, completions, "here")
+    routes.check_rows(prompts, [c[:1] for c in completions], "here")  # (a completion cut after its end token)
+    with pytest.raises(ValueError, match=r"here: row 0 was imported for other tokens .* differ at position"):
+        routes[[1, 0, *range(2, B)]].check_rows(prompts, completions, "here")
+    counted = vllm_outputs(g)
+    for out in counted:
+        out.prompt_token_ids = len(out.prompt_token_ids)  # a count, not the ids
+    assert routes_from_vllm(counted, g.model).tokens == (None,) * len(g.rows)
+    routes_from_vllm(counted, g.model).check_rows(prompts[::-1], completions[::-1], "here")  # (nothing to check)

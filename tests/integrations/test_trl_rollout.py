@@ -62,6 +62,10 @@ def engine_rollout(prompt_start: int = 0, corrupt: str | None = None):  # noqa: 
             output["routes"] = routes
         if corrupt == "rows":
             output["routes"] = routes[[0]]
+        if corrupt == "swapped":  # two rows' routes exchanged (each row still fits the other's lengths or not)
+            order = list(range(routes.batch_size))
+            order[0], order[1] = 1, 0
+            output["routes"] = routes[order]
         return output
 
     return rollout
@@ -102,6 +106,10 @@ def test_bad_rollout_routes_and_unsupported_combinations_are_refused(tmp_path):
         make(tmp_path / "b", rollout=engine_rollout(corrupt="rows")).train()
     with pytest.raises(ValueError, match="vLLM output 0, completion 0, routed_experts: routes hold"):
         make(tmp_path / "c", rollout=engine_rollout(corrupt="short")).train()
+    # two rows' routes swapped (found by review: with rows of equal length they passed every check); the importer's
+    # routes know each row's tokens
+    with pytest.raises(ValueError, match=r"the rollout_func's 'routes': row 0 was imported for other tokens than its"):
+        make(tmp_path / "s", rollout=engine_rollout(corrupt="swapped")).train()
     with pytest.raises(ValueError, match="R2\\) records its routes in the old-log-prob pass"):
         make(tmp_path / "d", mode="old_logprob", steps_per_generation=2, gradient_accumulation_steps=1).train()
     args = config(tmp_path / "e")

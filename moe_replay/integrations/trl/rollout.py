@@ -5,7 +5,8 @@ The contract: `rollout_func(prompts, trainer)` returns, next to TRL's `prompt_id
 (and optionally `env_mask` for tool or environment tokens inside the completions), `"routes"`: a `Routes` with one
 row per completion, whose position t is token t of that row's prompt + completion (no padding before it), as
 `routes_from_vllm` / `routes_from_sglang` lay them out by default. Positions the engine did not record (a
-`prompt_start` / `start_len` offset) route live.
+`prompt_start` / `start_len` offset) route live. Routes that know their rows' tokens (`routes_from_vllm`'s, an
+`EngineRoutes`) must sit on the same rows of `prompt_ids` + `completion_ids`: rows swapped are refused.
 
 Shape legend: N completions, T positions, L MoE layers, K experts per token.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from ...errors import ReplayError
 from ...routes import Routes
+from ..engine_routes import EngineRoutes
 
 ROUTES = "routes"  # the rollout output's key for the routes
 
@@ -53,6 +55,8 @@ def taking_routes(rollout_func: Callable[..., dict[str, Any]], mode: str, keep: 
                 "completions"
             )
         prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
+        if isinstance(routes, EngineRoutes):  # an importer's: each row knows its tokens (rows swapped are refused)
+            routes.check_rows(prompt_ids, completion_ids, f"the rollout_func's {ROUTES!r}")
         keep((left_padded(routes, prompt_ids, completion_ids, trainer.pad_to_multiple_of), prompt_ids, completion_ids))
         return output
 
