@@ -128,3 +128,34 @@ def near_ties(router_logits: tuple[torch.Tensor, ...], top_k: int, shape: tuple[
         top = scores.float().topk(top_k + 1, dim=-1).values
         gaps.append((top[:, top_k - 1] - top[:, top_k]).reshape(B, T))
     return torch.stack(gaps, -1) < MARGIN
+
+
+def differ(a: Routes, b: Routes) -> torch.Tensor:
+    """bool [B, T, L]: where `a` and `b` both recorded the position and hold other expert sets."""
+    both = (a.mask & b.mask)[..., None]
+    return both & (a.indices.long().sort(-1).values != b.indices.long().sort(-1).values).any(-1)
+
+
+def kept_pairs(differing: torch.Tensor, ties: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """bool [B, T, L]: the `recorded` [B, T] pairs that are neither a near-tie of the reference forward (`ties`
+    [B, T, L]) nor downstream of a near-tie at which the two forwards came out otherwise (`differing` [B, T, L]): a
+    later MoE layer at the same or a later position of its row, whose hidden states were computed from other experts.
+    Unless float noise swapped a near-tie, every recorded pair but the near-ties."""
+    layers = torch.arange(ties.shape[-1], device=ties.device)
+    swapped = torch.where(differing & ties, layers, ties.shape[-1]).amin(-1).cummin(1).values  # [B, T]
+    return recorded[..., None] & ~ties & (layers <= swapped[..., None])
+
+
+def compared_pairs(a: Routes, b: Routes, ties: torch.Tensor) -> torch.Tensor:
+    """bool [B, T, L]: the pairs two forwards' routes `a` and `b` must agree at (`kept_pairs`), `ties` those of the
+    reference forward (`near_ties`)."""
+    return kept_pairs(differ(a, b), ties, a.mask & b.mask)
+
+
+def same_but_near_ties(a: Routes, b: Routes, ties: torch.Tensor) -> torch.Tensor:
+    """Assert that `a` and `b` hold the same expert sets at every pair `compared_pairs` keeps, and that it keeps one;
+    return those pairs, bool [B, T, L]."""
+    compared = compared_pairs(a, b, ties)
+    assert compared.any(), "no (token, layer) pair left to compare"
+    assert not differ(a, b)[compared].any(), f"{int(differ(a, b)[compared].sum())} pairs differ outside near-ties"
+    return compared

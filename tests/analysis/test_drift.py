@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from helpers import extend_mask, left_padded, recorded, sampled, tiny_qwen3_moe
+from helpers import extend_mask, kept_pairs, left_padded, near_ties, recorded, sampled, tiny_qwen3_moe
 
 from moe_replay import (
     ReplayError,
@@ -38,7 +38,16 @@ def test_mismatch_between_generate_and_trainer():
     out, routes = sampled(model, ids, mask, 5)
     full = extend_mask(mask, out.sequences.shape[1])
     same = measure_mismatch(model, out.sequences, full, routes)
-    assert same.fraction == 0.0 and same.num_tokens == int(routes.mask.sum())
+    assert same.num_tokens == int(routes.mask.sum())
+    # the same fp32 model: no expert differs but at the near-ties of the teacher-forced forward (float noise between
+    # generate's KV-cached decode and the full forward may swap those), and at later MoE layers from the first one
+    # swapped on (their hidden states were computed from other experts: helpers.kept_pairs)
+    with torch.no_grad():
+        logits = model(out.sequences, attention_mask=full, output_router_logits=True).router_logits
+    ties = near_ties(logits, routes.top_k, tuple(out.sequences.shape))
+    moved = (same.changed > 0) & same.valid[..., None]
+    compared = kept_pairs(moved, ties, same.valid)
+    assert compared.any() and not moved[compared].any()
     # the same weights in bf16 as the sampler: a precision mismatch, reported with the same metrics
     sampler = tiny_qwen3_moe(seed=2).to(torch.bfloat16)
     low = teacher_forced_routes(sampler, out.sequences, full)

@@ -15,12 +15,39 @@ def test_version_and_help(capsys):
     assert main([]) == 0 and "demo" in capsys.readouterr().out
 
 
-def test_demo_replays_exactly(capsys):
-    from moe_replay.cli.demo import run
+def test_demo_replays_exactly(capsys, monkeypatch):
+    """The demo's sampled routes hold the teacher-forced forward's expert sets at every pair but that forward's
+    near-ties (`helpers.near_ties`: float noise between generate's KV-cached decode and the full forward may swap
+    those, and then the later MoE layers from there on: helpers.kept_pairs); the demo says so, and
+    that replaying them gives its logits bit for bit, unless a near-tie was swapped."""
+    import torch
+    from helpers import differ, kept_pairs, near_ties
 
-    figures = run(seed=1)
+    from moe_replay import find_routers
+    from moe_replay.cli import demo
+
+    compared, logits = [], []  # (the demo's first comparison: sampled vs teacher-forced), each router call's logits
+    changed, build = demo._changed, demo.tiny_moe
+    monkeypatch.setattr(demo, "_changed", lambda a, b: compared.append((a, b)) or changed(a, b))
+
+    def built(seed: int) -> torch.nn.Module:
+        model = build(seed)
+        for site in find_routers(model):
+            site.router.register_forward_hook(lambda m, args, out: logits.append(out[0].detach().clone()))
+        return model
+
+    monkeypatch.setattr(demo, "tiny_moe", built)
+    figures = demo.run(seed=1)
     out = capsys.readouterr().out
-    assert "bit-identical logits: True" in out and "same experts as sampling: True" in out
+    sampled, forced = compared[0]
+    B, T, L, K = sampled.shape
+    forward = [x for x in logits if x.shape[0] == B * T][:L]  # the teacher-forced forward's, after generate's
+    ties = near_ties(forward, K, (B, T))
+    differing = differ(sampled, forced)
+    compared = kept_pairs(differing, ties, sampled.mask & forced.mask)
+    assert compared.any() and not differing[compared].any()
+    same = not differing.any()
+    assert f"bit-identical logits: {same}" in out and f"same experts as sampling: {same}" in out
     assert figures["changed_with_replay"] == 0.0 < figures["changed_without_replay"]
 
 

@@ -7,7 +7,18 @@ from typing import Any
 
 import pytest
 import torch
-from trl_utils import Spy, agreement, config, logged, make, prompts, reward, tiny_policy
+from trl_utils import (
+    Spy,
+    agreement,
+    config,
+    logged,
+    make,
+    prompts,
+    reward,
+    same_routes_before,
+    swapped_a_near_tie,
+    tiny_policy,
+)
 
 from moe_replay.errors import ReplayError
 from moe_replay.integrations.trl import RoutingReplayGRPOTrainer
@@ -55,8 +66,9 @@ def test_loss_forwards_use_the_replayed_experts(tmp_path, mode):
         # the row wherever it has no near-tie; one position of shift would not
         assert agreement(gen) == 1.0
         assert agreement(gen, shift=1) < 0.5
-        old = gen["old_per_token_logps"]
-        assert torch.equal(old * gen["completion_mask"], gen["live_logps"] * gen["completion_mask"])
+        # old log-probs replayed bit for bit where every earlier route is the live one (all, unless a near-tie swapped)
+        ok = same_routes_before(gen) & gen["completion_mask"].bool()
+        assert ok.any() and torch.equal(gen["old_per_token_logps"][ok], gen["live_logps"][ok])
     assert min(lengths) < 8 and max(lengths) == 8  # early EOS and a full-length completion in one run
 
 
@@ -90,6 +102,9 @@ def test_rollout_and_old_logprob_train_identically_when_their_routes_agree(tmp_p
     and R2 train to the same weights. routing/ metrics are logged and move once the policy has been updated."""
     r3 = make(tmp_path / "r3", "rollout", max_steps=4)
     r3.train()  # each trainer seeds the global RNG when it is made: make and train one, then the other
+    if any(swapped_a_near_tie(gen) for gen in r3.generated):  # (agreeing everywhere else: checked)
+        pytest.skip("float noise swapped a near-tie between generate and a full forward on this machine: R2 and R3 "
+                    "replay other experts there, so they do not train identically")  # fmt: skip
     r2 = make(tmp_path / "r2", "old_logprob", max_steps=4)
     r2.train()
     for a, b in zip(r3.generated, r2.generated, strict=True):

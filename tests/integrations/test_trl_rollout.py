@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from trl_utils import Spy, agreement, config, prompts, reward, tiny_policy
+from trl_utils import Spy, agreement, config, prompts, reward, same_routes_before, tiny_policy
 
 from moe_replay import LayerInfo, Routes, Segment, assemble_routes, record_routes
 from moe_replay.errors import ReplayError
@@ -95,8 +95,8 @@ def test_a_rollout_funcs_engine_routes_are_the_ones_every_loss_forward_uses(tmp_
         for offset in range(prompt_start):  # the positions the engine skipped are unrecorded: they route live
             assert not gen[MASK][rows, first + offset].any()
         assert gen[MASK][rows, first + prompt_start].all()
-        old = gen["old_per_token_logps"]  # (R3 with fp32: the replayed old log-probs are the live ones)
-        assert torch.equal(old * gen["completion_mask"], gen["live_logps"] * gen["completion_mask"])
+        ok = same_routes_before(gen) & gen["completion_mask"].bool()  # (R3 in fp32: replayed old log-probs are live)
+        assert ok.any() and torch.equal(gen["old_per_token_logps"][ok], gen["live_logps"][ok])
 
 
 def test_bad_rollout_routes_and_unsupported_combinations_are_refused(tmp_path):

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from helpers import near_ties  # noqa: E402
+from helpers import kept_pairs, near_ties  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from moe_replay import Routes, record_routes  # noqa: E402
@@ -97,15 +97,42 @@ class Spy(RoutingReplayGRPOTrainer):
 
 def agreement(gen: dict[str, Any], shift: int = 0) -> float:
     """Share of the (token, layer) expert sets a generation's routes (`gen[INDICES]` [B, T, L, K] at `gen[MASK]`,
-    optionally moved `shift` positions right) hold that equal a live forward's (`gen["live_routes"]`), near-ties of
-    the live forward left out. The routes of the right rows at the right positions agree everywhere (1.0); a
-    misaligned or foreign row disagrees almost everywhere."""
+    optionally moved `shift` positions right) hold that equal a live forward's (`gen["live_routes"]`), the live
+    forward's near-ties left out (and, unshifted, what follows one that came out otherwise: `helpers.kept_pairs`).
+    The routes of the right rows at the right positions agree everywhere (1.0); a misaligned or foreign row disagrees
+    almost everywhere."""
     live = gen["live_routes"]
     a = gen[INDICES].long().sort(-1).values.roll(shift, 1)
-    b = live.indices.long().sort(-1).values
-    m = (gen[MASK].roll(shift, 1) & live.mask).unsqueeze(-1) & ~gen["near_ties"]
+    recorded = gen[MASK].roll(shift, 1) & live.mask
+    differing = recorded[..., None] & (a != live.indices.long().sort(-1).values).any(-1)  # [B, T, L]
+    ties = gen["near_ties"]
+    m = kept_pairs(differing, ties, recorded) if shift == 0 else recorded[..., None] & ~ties
     assert m.any(), "no (token, layer) pair left to compare"
-    return float((a == b).all(-1)[m].float().mean())
+    return float((~differing)[m].float().mean())
+
+
+def swapped_a_near_tie(gen: dict[str, Any]) -> bool:
+    """Whether a generation's routes hold other experts than a live forward's at any pair both recorded, after
+    asserting that they agree wherever the live forward has no near-tie (`agreement`): True only where float noise
+    swapped a near-tie (rare, and machine-dependent)."""
+    assert agreement(gen) == 1.0
+    return bool(_moved(gen).any())
+
+
+def _moved(gen: dict[str, Any]) -> torch.Tensor:
+    """bool [B, T]: positions both recorded where the generation's routes and the live forward's differ."""
+    live = gen["live_routes"]
+    recorded = gen[MASK] & live.mask
+    mine, theirs = gen[INDICES].long().sort(-1).values, live.indices.long().sort(-1).values
+    return (recorded[..., None] & (mine != theirs).any(-1)).any(-1)
+
+
+def same_routes_before(gen: dict[str, Any]) -> torch.Tensor:
+    """bool [B, C]: the completion tokens whose log-prob was computed, in the live forward and under the generation's
+    routes alike, from the same experts at every earlier position and layer (all of them, unless float noise swapped
+    a near-tie: `agreement`). Where this holds, a replay of the generation's routes gives the live log-probs."""
+    C = gen["completion_ids"].shape[1]
+    return (_moved(gen).cumsum(1) == 0)[:, -C - 1 : -1]  # completion token c is predicted at position P + c - 1
 
 
 def make(tmp_path: Any, routing_replay: str | None, cls: type = Spy, model: Any = None, **kw: Any) -> Any:

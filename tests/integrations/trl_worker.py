@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
-from trl_utils import agreement, make
+from trl_utils import agreement, make, same_routes_before
 
 
 def main(out: str) -> None:
@@ -23,8 +23,8 @@ def main(out: str) -> None:
     for gen in trainer.generated:
         agree.append(agreement(gen))
         shifted.append(agreement(gen, shift=1))
-        diff = (gen["old_per_token_logps"] - gen["live_logps"]) * gen["completion_mask"]
-        logps.append(float(diff.abs().max()))
+        ok = same_routes_before(gen) & gen["completion_mask"].bool()  # (all, unless a near-tie swapped)
+        logps.append(float((gen["old_per_token_logps"] - gen["live_logps"])[ok].abs().max()))
     result = {
         "rank": rank,
         "world": trainer.accelerator.num_processes,

@@ -9,7 +9,7 @@ import glob
 import pandas as pd
 import pytest
 import torch
-from rl_utils import RUN, SMALL, config
+from rl_utils import RUN, SMALL, config, routed_live
 
 from moe_replay.rl.config import TrainConfig, load_config
 from moe_replay.rl.loop import train
@@ -23,14 +23,16 @@ TASK = Task("addition", 2)
 
 
 def test_fp32_sampler_log_probs_equal_the_trainer_recompute_within_rounding():
-    """A KV-cached decode and a teacher-forced forward of the same fp32 model differ by ~1e-7 in log-probs."""
+    """A KV-cached decode and a teacher-forced forward of the same fp32 model differ by ~1e-7 in log-probs (at every
+    answer token unless float noise swapped a near-tie's experts before it: `routed_live`)."""
     model = build_policy(SMALL, seed=0).eval()
     torch.manual_seed(0)
     batch = rollout(
         model, TASK, *TASK.sample(4, torch.Generator().manual_seed(0)), group_size=4, old_logprob_source="sampler"
     )
     assert torch.equal(batch.old_logp, batch.sampler_logp)
-    assert torch.allclose(batch.sampler_logp, batch.trainer_logp, atol=1e-5, rtol=0)
+    alike = routed_live(model, batch.sequences, batch.routes, batch.prompt_len)
+    assert alike.any() and torch.allclose(batch.sampler_logp[alike], batch.trainer_logp[alike], atol=1e-5, rtol=0)
     torch.manual_seed(0)
     same = rollout(model, TASK, *TASK.sample(4, torch.Generator().manual_seed(0)), group_size=4)
     assert torch.equal(same.sequences, batch.sequences) and torch.equal(same.old_logp, batch.trainer_logp)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from rl_utils import SMALL
+from rl_utils import SMALL, routed_live
 
 from moe_replay.rl import Rollout, Task, build_policy, minibatch_update, rollout
 
@@ -39,8 +39,11 @@ def test_rollout_shapes_and_the_routes_each_mode_replays(policy, replay):
         assert batch.train_routes is batch.routes
     else:  # recorded in the teacher-forced old-log-prob forward, which (unlike sampling) also feeds the last token
         assert batch.train_routes.mask.all() and not batch.routes.mask[:, -1].any()
-    # fp32 sampler and trainer: every mode computes the same old log-probs
-    assert torch.equal(batch.old_logp, sampled(policy, "off").old_logp)
+    # fp32 sampler and trainer: every mode computes the same old log-probs (rollout: replaying generate's routes,
+    # which hold the live experts but where float noise swapped a near-tie's, and then at the answer tokens after it)
+    live = sampled(policy, "off").old_logp
+    same = routed_live(policy, batch.sequences, batch.routes, tp) if replay == "rollout" else batch.mask
+    assert same.any() and torch.equal(batch.old_logp[same], live[same])
 
 
 def test_minibatch_update_replays_and_its_first_ratio_is_one(policy):

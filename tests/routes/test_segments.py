@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PAD, tiny_qwen3_moe
+from helpers import PAD, near_ties, same_but_near_ties, tiny_qwen3_moe
 
 from moe_replay import Routes, record_routes, replay_routes
 from moe_replay.routes_packed import pack_routes, unpack_routes
@@ -65,10 +65,11 @@ def test_a_two_turn_agent_loop_replays_to_the_sampler_log_probs():
     routes = assemble_routes(segments, mask)
     assert routes.version is not None and routes.mask.sum() == mask.sum() - len(rows)  # all but each last token
     with record_routes(model) as live:
-        model(ids, attention_mask=mask)
-    # at the sampling weights, every position's assembled route is the one a teacher-forced forward takes
+        logits = model(ids, attention_mask=mask, output_router_logits=True).router_logits
+    # at the sampling weights, every position's assembled route is the one a teacher-forced forward takes (but at
+    # that forward's near-ties, which float noise between generate and a full forward may swap: helpers.near_ties)
     assert (live.routes.mask | ~routes.mask).all()
-    assert routes.equal(Routes(live.routes.indices, routes.mask, live.routes.layers, routes.version))
+    same_but_near_ties(routes, live.routes, near_ties(logits, routes.top_k, tuple(ids.shape)))
     replayed = _answer_logp(model, ids, mask, routes)
     for i, row in enumerate(rows):
         pad = ids.shape[1] - len(row)

@@ -90,6 +90,14 @@ class StepTracker:
             continuing = False
         elif generating and cache is self.cache:  # a later step of this generate: its cache holds the steps before
             continuing = True
+            length = getattr(cache, "get_seq_length", None)
+            if length is not None and self.cursor > 0 and int(length()) == 0:
+                raise UnsupportedGenerationError(
+                    f"generate's KV cache is still empty after forwards of {self.cursor} positions: the model ran "
+                    "without it (transformers 5.19 turns the cache off in training mode with gradient "
+                    "checkpointing), so each step saw only its own tokens and its routes belong to no real "
+                    "generation; generate in eval mode (model.eval()) or with gradient checkpointing off"
+                )
         else:
             noted = False
             length = getattr(cache, "get_seq_length", None)

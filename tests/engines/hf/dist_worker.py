@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import PAD, extend_mask, left_padded, perturb, sampled, tiny_qwen3_moe
+from helpers import PAD, extend_mask, left_padded, near_ties, perturb, sampled, tiny_qwen3_moe
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     apply_activation_checkpointing,
@@ -51,7 +51,7 @@ def synced_generation(rank: int) -> dict:
     out, routes = sampled(model, ids, mask, 6, exact=False, eos_token_id=EOS, synced_gpus=True)
     seq, n_forwards = out.sequences, len(forwards)
     with record_routes(model) as tf:
-        model(seq, attention_mask=extend_mask(mask, seq.shape[1]))
+        logits = model(seq, attention_mask=extend_mask(mask, seq.shape[1]), output_router_logits=True).router_logits
     torch.manual_seed(rank)
     with replay_routes(model, routes):  # dummy forwards are not replayed either
         replayed, again = sampled(model, ids, mask, 6, exact=False, eos_token_id=EOS, synced_gpus=True)
@@ -59,6 +59,7 @@ def synced_generation(rank: int) -> dict:
         "sequences": seq,
         "routes": routes,
         "teacher_forced": tf.routes,
+        "near_ties": near_ties(logits, routes.top_k, seq.shape),
         "forwards": n_forwards,
         "replayed_sequences": replayed.sequences,
         "replayed_routes": again,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PAD, Delegating, left_padded, sampled, tiny_qwen3_moe
+from helpers import PAD, Delegating, extend_mask, left_padded, near_ties, sampled, tiny_qwen3_moe
 from torch import nn
 from transformers import GenerationConfig
 
@@ -132,3 +132,32 @@ def test_a_generate_that_raises_midway_records_nothing_and_its_retry_is_recorded
             torch.manual_seed(3)
             assert torch.equal(qwen.generate(input_ids=ids, attention_mask=mask, **sampling), expected)
         assert len(rec.batches) == 1 and rec.routes.equal(alone.routes)
+
+
+def test_generate_in_training_mode_with_gradient_checkpointing_records_what_a_full_forward_routes_or_is_refused(qwen):
+    """transformers 5.19 turns the KV cache off inside a training-mode forward with gradient checkpointing, so
+    generate's decode steps see only their own token (found on the floor transformers: the routes were those of that
+    broken generation, no error); 5.25 keeps the cache. Either the routes are a full forward's, or the generate is
+    refused."""
+    from moe_replay import UnsupportedGenerationError
+
+    ids, mask = left_padded(2, 5, [0, 2])
+    qwen.gradient_checkpointing_enable()
+    qwen.train()
+    torch.manual_seed(0)
+    try:
+        with torch.no_grad(), record_routes(qwen) as rec:
+            out = qwen.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=4,
+                                return_dict_in_generate=True, pad_token_id=PAD)  # fmt: skip
+    except UnsupportedGenerationError as e:
+        assert "KV cache is still empty after forwards of 5 positions" in str(e)
+        return
+    qwen.eval()
+    with torch.no_grad(), record_routes(qwen) as tf:
+        full = extend_mask(mask, out.sequences.shape[1])
+        logits = qwen(out.sequences, attention_mask=full, output_router_logits=True).router_logits
+    got, ties = rec.routes, near_ties(logits, 2, out.sequences.shape)
+    assert got.mask.sum() == 2 * 8 - 2
+    same = (got.indices.sort(-1).values == tf.routes.indices.sort(-1).values).all(-1)  # [B, T, L]
+    compared = got.mask[..., None] & ~ties  # (near-ties of the full forward left out: helpers.near_ties)
+    assert compared.any() and same[compared].all()
