@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import socket
 from typing import Any
 
@@ -13,6 +14,15 @@ from moe_replay.tiny import tiny_moe
 
 VOCAB = 64
 PAD = 0
+
+
+def kv(cache: Any) -> dict[str, Any]:
+    """A KV cache as the keyword the installed transformers' forwards and generate take: `cache` (5.2x), or
+    `past_key_values` (5.19, the floor)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    forward = inspect.signature(Qwen3MoeForCausalLM.forward).parameters
+    return {"cache" if "cache" in forward else "past_key_values": cache}
 
 
 def tiny_qwen3_moe(seed: int = 0, *, layers: int = 3, experts: int = 8, top_k: int = 2) -> nn.Module:

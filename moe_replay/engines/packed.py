@@ -6,10 +6,11 @@ restart per sequence, no attention mask and no KV cache (`masking_utils.find_pac
 default `use_cache` (a cache made for the forward) or any attention mask the sequences silently attend to each other,
 and the replayed routes then belong to another computation. Even then, families whose layers carry state along the
 row (state-space, linear or compressed attention) or build masks without `position_ids` mix the sequences: only the
-families of `PACKED_FAMILIES` (each verified against its padded forward by the family test) are accepted, any other
-refused by name. Each outermost forward of a tracked model (the model given, or an inner transformers model holding
-all its routers, such as `model.model`) is checked before it runs, naming what is wrong. megatron-core runs a packed
-row through `PackedSeqParams(qkv_format="thd")`, checked on the model given.
+families verified for the installed transformers release (`packed_families()`, each checked against its padded
+forward by the family test) are accepted, any other refused by name, and every family under a release not verified.
+Each outermost forward of a tracked model (the model given, or an inner transformers model holding all its routers,
+such as `model.model`) is checked before it runs, naming what is wrong. megatron-core runs a packed row through
+`PackedSeqParams(qkv_format="thd")`, checked on the model given.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from ..errors import ReplayError
 from ..routes_packed import PackedRoutes
-from .packed_families import PACKED_FAMILIES
+from .packed_families import VERIFIED, packed_families
 
 CACHES = ("cache", "past_key_values", "cache_params")  # what transformers' forwards call a KV (or state) cache
 
@@ -64,14 +65,23 @@ class PackedReplayer:
         return getattr(self.inner, name)
 
     def _check_family(self) -> None:
+        import transformers
+
         family = getattr(getattr(self.model, "config", None), "model_type", None)
-        if family not in PACKED_FAMILIES:
+        accepted = packed_families()
+        if not accepted:
+            raise ReplayError(
+                f"packed routes replayed under transformers {transformers.__version__}, a release whose families "
+                f"moe-replay has not verified to run a packed row's sequences apart (verified: {sorted(VERIFIED)}); "
+                "replay the padded batch's routes on the padded batch instead"
+            )
+        if family not in accepted:
             raise ReplayError(
                 f"packed routes replayed on a {family!r} model ({type(self.model).__name__}): moe-replay accepts "
-                "packed rows only on the families verified to run a packed row's sequences apart "
-                f"({', '.join(sorted(PACKED_FAMILIES))}); in others, layers that carry state along the row or masks "
-                "built without position_ids let the sequences see each other. Replay the padded batch's routes on "
-                "the padded batch instead"
+                "packed rows only on the families verified to run a packed row's sequences apart under transformers "
+                f"{transformers.__version__} ({', '.join(sorted(accepted))}); in others, layers that carry state "
+                "along the row or masks built without position_ids let the sequences see each other. Replay the "
+                "padded batch's routes on the padded batch instead"
             )
 
     def _check_transformers(self, forward: Any, args: tuple, kwargs: dict[str, Any]) -> None:

@@ -62,7 +62,9 @@ def test_sweep_quick_preset(tmp_path, monkeypatch):
     steps = pd.read_csv(tmp_path / "out" / "sweep_steps.csv")
     assert set(steps.setting) == {"base", "bf16"} and set(steps.arm) == {"GRPO", "GRPO + replay"}
     summary = pd.read_csv(tmp_path / "out" / "sweep_summary.csv").set_index("setting")
-    assert summary.loc["base", "mismatch"] == 0.0  # an fp32 sampler routes exactly like the fp32 trainer
+    # an fp32 sampler routes like the fp32 trainer but where float noise between generate and a full forward swaps a
+    # near-tie (a machine-dependent handful of pairs at most: ~1e-4 each; a misaligned batch would be ~0.5)
+    assert summary.loc["base", "mismatch"] < 0.01
     assert summary.loc["bf16", "mismatch"] > 0.0  # a bf16 sampler does not
     assert (tmp_path / "out" / "sweep.png").stat().st_size > 10_000
 

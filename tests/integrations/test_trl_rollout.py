@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from trl_utils import Spy, agreement, config, prompts, reward, same_routes_before, tiny_policy
+from trl_utils import Spy, agreement, config, prompts, reward, same_routes_before, sampling_mode, tiny_policy
 
 from moe_replay import LayerInfo, Routes, Segment, assemble_routes, record_routes
 from moe_replay.errors import ReplayError
@@ -34,7 +34,7 @@ def engine_rollout(prompt_start: int = 0, corrupt: str | None = None):  # noqa: 
         width = max(len(p) for p in prompt_ids)
         ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompt_ids])
         mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompt_ids])[:, None]).long()
-        with torch.no_grad(), record_routes(model) as rec:
+        with torch.no_grad(), sampling_mode(model), record_routes(model) as rec:
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=8,
                                  output_logits=True, return_dict_in_generate=True, pad_token_id=PAD,
                                  eos_token_id=EOS, sequence_bias={(EOS,): 2.5})  # fmt: skip
@@ -157,7 +157,7 @@ def agent_rollout(batch_prompts: list[str], trainer: Any) -> dict[str, Any]:
         width = max(len(c) for c in convs)
         ids = torch.tensor([[PAD] * (width - len(c)) + c for c in convs])
         mask = (torch.arange(width)[None] >= torch.tensor([width - len(c) for c in convs])[:, None]).long()
-        with torch.no_grad(), record_routes(model) as rec:
+        with torch.no_grad(), sampling_mode(model), record_routes(model) as rec:
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=3, min_new_tokens=3,
                                  pad_token_id=PAD, suppress_tokens=[EOS])  # fmt: skip
         new = out[:, width:].tolist()

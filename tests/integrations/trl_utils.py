@@ -3,6 +3,8 @@ several lengths (left padding), a reward that varies, and EOS made likely (early
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -93,6 +95,18 @@ class Spy(RoutingReplayGRPOTrainer):
         live_out = {"live_logps": live, "live_routes": rec.routes, "router_logits": logits, "near_ties": ties}
         self.generated.append({**out, **live_out, "input_ids": ids})
         return out
+
+
+@contextlib.contextmanager
+def sampling_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode for a rollout's generate, its mode restored after (in training mode with gradient
+    checkpointing transformers 5.19 runs generate without its KV cache, which moe-replay refuses)."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
 
 
 def agreement(gen: dict[str, Any], shift: int = 0) -> float:

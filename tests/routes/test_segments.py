@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import PAD, near_ties, same_but_near_ties, tiny_qwen3_moe
+from helpers import PAD, kv, near_ties, same_but_near_ties, tiny_qwen3_moe
 
 from moe_replay import Routes, record_routes, replay_routes
 from moe_replay.routes_packed import pack_routes, unpack_routes
@@ -92,7 +92,7 @@ def test_a_conversation_over_one_kept_cache_is_one_batch_whose_replay_gives_the_
 
     def turn(ids, mask, new, seed):  # noqa: ANN001, ANN202
         torch.manual_seed(seed)
-        out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new,
+        out = model.generate(input_ids=ids, attention_mask=mask, **kv(cache), max_new_tokens=new,
                              min_new_tokens=new, **kw)  # fmt: skip
         sampled = out.sequences[:, ids.shape[1] :]
         logps.append(torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, sampled[..., None])[..., 0])
@@ -122,7 +122,7 @@ def test_a_conversation_over_one_kept_cache_is_one_batch_whose_replay_gives_the_
         seq1, mask1 = turn(ids, mask, 4, seed=1)
         with pytest.raises(Stop):
             model.generate(input_ids=torch.cat([seq1, env], 1), attention_mask=torch.cat([mask1, mask1[:, :3]], 1),
-                           cache=cache, max_new_tokens=3, stopping_criteria=[stop_at_step_2], **kw)  # fmt: skip
+                           **kv(cache), max_new_tokens=3, stopping_criteria=[stop_at_step_2], **kw)  # fmt: skip
     assert rec.batches == []
 
 

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import PAD, left_padded, perturb, sampled, tiny_qwen3_moe
+from helpers import PAD, kv, left_padded, perturb, sampled, tiny_qwen3_moe
 from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
 
 from moe_replay import UnsupportedGenerationError, find_routers, record_routes, replay_routes
@@ -27,7 +27,7 @@ def test_a_cache_emptied_between_two_generates_starts_a_new_batch(qwen):
     with torch.no_grad(), record_routes(qwen) as rec:
         for _ in range(2):
             torch.manual_seed(0)
-            outs.append(qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, **sampling))
+            outs.append(qwen.generate(input_ids=ids, attention_mask=mask, **kv(cache), **sampling))
             cache.crop(-cache.get_seq_length())  # emptied
     first, second = rec.batches
     assert torch.equal(outs[0], outs[1]) and first.seq_len == outs[0].shape[1] and first.equal(second)
@@ -52,17 +52,17 @@ def test_a_generate_given_a_cache_that_holds_tokens_is_refused_at_its_first_step
     cache = DynamicCache()
     with torch.no_grad(), record_routes(qwen) as rec:
         torch.manual_seed(0)
-        out = qwen.generate(input_ids=ids, cache=cache, **sampling)
+        out = qwen.generate(input_ids=ids, **kv(cache), **sampling)
         turn = torch.cat([out, ids[:, :2]], 1)
         qwen(ids)  # another batch began
         with pytest.raises(UnsupportedGenerationError, match="already holds 7 tokens, not the one .* fresh cache"):
-            qwen.generate(input_ids=turn, cache=cache, **sampling)
+            qwen.generate(input_ids=turn, **kv(cache), **sampling)
         assert qwen.generate(input_ids=turn, **sampling).shape[1] == turn.shape[1] + 3  # a fresh cache: recorded
     first, _, second = rec.batches
     assert first.equal(alone.routes) and second.seq_len == turn.shape[1] + 3
     with torch.no_grad(), record_routes(qwen):  # filled before the context opened
         with pytest.raises(UnsupportedGenerationError, match="already holds"):
-            qwen.generate(input_ids=turn, cache=cache, **sampling)
+            qwen.generate(input_ids=turn, **kv(cache), **sampling)
 
 
 def test_a_conversation_over_a_kept_cache_replays_across_its_turns(qwen):
@@ -77,11 +77,11 @@ def test_a_conversation_over_a_kept_cache_replays_across_its_turns(qwen):
     def conversation() -> None:
         cache = DynamicCache()
         torch.manual_seed(1)
-        first = qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=4, min_new_tokens=4, **kw)
+        first = qwen.generate(input_ids=ids, attention_mask=mask, **kv(cache), max_new_tokens=4, min_new_tokens=4, **kw)
         ids2 = torch.cat([first.sequences, env], 1)
         torch.manual_seed(2)
         mask2 = torch.cat([mask, torch.ones(2, 7, dtype=mask.dtype)], 1)
-        qwen.generate(input_ids=ids2, attention_mask=mask2, cache=cache, max_new_tokens=3, min_new_tokens=3, **kw)
+        qwen.generate(input_ids=ids2, attention_mask=mask2, **kv(cache), max_new_tokens=3, min_new_tokens=3, **kw)
 
     with torch.no_grad(), record_routes(qwen) as rec:
         conversation()
@@ -108,23 +108,23 @@ def test_a_turn_recorded_without_its_earlier_turns_is_refused_before_it_runs(qwe
     try:
         with torch.no_grad(), record_routes(qwen) as outer:
             cache = DynamicCache()
-            first = qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, **kw)
+            first = qwen.generate(input_ids=ids, attention_mask=mask, **kv(cache), **kw)
             turn = torch.cat([first.sequences, ids[:, :2]], 1)
             mask2 = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
             calls.clear()
             with record_routes(qwen), pytest.raises(ValueError, match="earlier turns ran before this record_routes"):
-                qwen.generate(input_ids=turn, attention_mask=mask2, cache=cache, **kw)
+                qwen.generate(input_ids=turn, attention_mask=mask2, **kv(cache), **kw)
             assert calls == []  # refused before any router ran
-            assert qwen.generate(input_ids=turn, attention_mask=mask2, cache=cache, **kw).sequences.shape[1] == 13
+            assert qwen.generate(input_ids=turn, attention_mask=mask2, **kv(cache), **kw).sequences.shape[1] == 13
         (routes,) = outer.batches  # the outer context, open since turn 1, recorded both turns
         assert routes.seq_len == 13 and routes.mask[:, 8:].any()
         with torch.no_grad(), record_routes(qwen):
             cache = DynamicCache()
-            qwen(ids, attention_mask=mask, cache=cache, use_cache=True)  # a plain forward fills the cache
+            qwen(ids, attention_mask=mask, **kv(cache), use_cache=True)  # a plain forward fills the cache
             calls.clear()
             following = torch.cat([ids, ids[:, :2]], 1)
             with pytest.raises(ValueError, match="the cache was filled by a plain forward, not a generate"):
-                qwen.generate(input_ids=following, attention_mask=torch.ones_like(following), cache=cache, **kw)
+                qwen.generate(input_ids=following, attention_mask=torch.ones_like(following), **kv(cache), **kw)
             assert calls == []
     finally:
         handle.remove()
@@ -155,7 +155,7 @@ def test_a_kept_cache_turn_must_continue_the_tokens_the_cache_holds_and_sees_the
         cache = DynamicCache()
         with torch.no_grad(), record_routes(qwen) as rec:
             torch.manual_seed(1)
-            first = qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=4, min_new_tokens=4,
+            first = qwen.generate(input_ids=ids, attention_mask=mask, **kv(cache), max_new_tokens=4, min_new_tokens=4,
                                   **kw)  # fmt: skip
             if edit == "reorder":
                 cache.reorder_cache(torch.tensor([1, 0]))
@@ -166,15 +166,15 @@ def test_a_kept_cache_turn_must_continue_the_tokens_the_cache_holds_and_sees_the
             turn = torch.cat([history, env], 1)
             with pytest.raises(ValueError, match="row 0 differs at position .* from the tokens the cache holds"):
                 qwen.generate(input_ids=turn, attention_mask=torch.cat([mask, torch.ones(2, 6, dtype=mask.dtype)], 1),
-                              cache=cache, max_new_tokens=2, min_new_tokens=2, **kw)  # fmt: skip
+                              **kv(cache), max_new_tokens=2, min_new_tokens=2, **kw)  # fmt: skip
         with pytest.raises(ValueError, match="differs at position"):
             _ = rec.routes  # (the conversation's routes stay refused)
     cache = DynamicCache()
     with torch.no_grad(), record_routes(qwen) as rec:
         torch.manual_seed(1)
-        first = qwen.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=5,
+        first = qwen.generate(input_ids=ids, attention_mask=mask, **kv(cache), max_new_tokens=5,
                               logits_processor=[EndRowZero()], **kw)  # fmt: skip
-        second = qwen.generate(input_ids=torch.cat([first, env], 1), cache=cache, max_new_tokens=3, min_new_tokens=3,
+        second = qwen.generate(input_ids=torch.cat([first, env], 1), **kv(cache), max_new_tokens=3, min_new_tokens=3,
                                **kw)  # fmt: skip
     (routes,) = rec.batches
     seen = second != PAD  # the mask generate inferred and its forwards ran with
@@ -195,12 +195,12 @@ def test_a_forward_continuing_a_cache_that_does_not_end_where_its_stream_does_is
     first, second = ids[:, :3] + 1, ids[:, :3] + 2
     with torch.no_grad(), record_routes(qwen) as rec:
         cache = DynamicCache()
-        qwen(ids, cache=cache, use_cache=True)
-        qwen(first, cache=copy.deepcopy(cache) if how == "copied" else cache, use_cache=True)
+        qwen(ids, **kv(cache), use_cache=True)
+        qwen(first, **kv(copy.deepcopy(cache) if how == "copied" else cache), use_cache=True)
         if how == "cropped":
             cache.crop(-3)  # (drops the last 3 tokens)
         with pytest.raises(ValueError, match="holds 6 tokens, but the stream it would continue ends at position 9"):
-            qwen(second, cache=copy.deepcopy(cache) if how == "copied" else cache, use_cache=True)
+            qwen(second, **kv(copy.deepcopy(cache) if how == "copied" else cache), use_cache=True)
     assert rec.routes.seq_len == 9  # the prompt and the first continuation, as they ran
 
 
@@ -218,12 +218,12 @@ def test_a_cache_of_an_earlier_batch_continued_after_another_began_is_refused(qw
         for prompt in (ids, other):
             if given == "passed":
                 caches.append(DynamicCache())
-                qwen(prompt, cache=caches[-1], use_cache=True)
+                qwen(prompt, **kv(caches[-1]), use_cache=True)
             else:
                 caches.append(qwen(prompt, use_cache=True).past_key_values)
         with pytest.raises(ValueError, match=r"KV cache \(6 tokens\) of an earlier batch .* 2 rows at position 6"):
-            qwen(more, cache=caches[0], use_cache=True)
-        qwen(more, cache=caches[1], use_cache=True)
+            qwen(more, **kv(caches[0]), use_cache=True)
+        qwen(more, **kv(caches[1]), use_cache=True)
     first, second = rec.batches
     assert first.seq_len == 6 and second.seq_len == 8
 
@@ -236,7 +236,7 @@ def test_a_generate_continued_after_the_next_generate_is_refused(qwen):
         outs = [qwen.generate(input_ids=x, return_dict_in_generate=True, **sampling) for x in (ids, ids.flip(1))]
         turn = outs[0].sequences[:, -1:]
         with pytest.raises(ValueError, match="of an earlier batch after another batch began"):
-            qwen(turn, cache=outs[0].past_key_values, use_cache=True)
+            qwen(turn, **kv(outs[0].past_key_values), use_cache=True)
 
 
 def test_a_copy_of_the_running_batchs_cache_continues_it_and_no_cache_is_kept_alive(qwen):
@@ -247,9 +247,9 @@ def test_a_copy_of_the_running_batchs_cache_continues_it_and_no_cache_is_kept_al
     ids, _ = left_padded(2, 6, [0, 0])
     with torch.no_grad(), record_routes(qwen) as rec:
         cache = DynamicCache()
-        qwen(ids, cache=cache, use_cache=True)
+        qwen(ids, **kv(cache), use_cache=True)
         fork = copy.deepcopy(cache)
-        qwen(ids[:, :2], cache=fork, use_cache=True)
+        qwen(ids[:, :2], **kv(fork), use_cache=True)
         held = [weakref.ref(cache), weakref.ref(fork)]
         del cache, fork
         gc.collect()
@@ -268,13 +268,13 @@ def test_caches_returned_in_a_tuple_or_made_by_generates_first_forward_are_noted
         _, cache = qwen(ids, use_cache=True, return_dict=False)
         qwen(ids.flip(1), use_cache=True)
         with pytest.raises(ValueError, match="of an earlier batch after another batch began"):
-            qwen(ids[:, :1], cache=cache, use_cache=True)
+            qwen(ids[:, :1], **kv(cache), use_cache=True)
     minimax = build_tiny_model("minimax").eval()
     with torch.no_grad(), record_routes(minimax):
         out = minimax.generate(input_ids=ids, max_new_tokens=1, pad_token_id=PAD, return_dict_in_generate=True)
         minimax(ids.flip(1))
         with pytest.raises(ValueError, match="of an earlier batch after another batch began"):
-            minimax(out.sequences[:, -1:], cache=out.past_key_values, use_cache=True)
+            minimax(out.sequences[:, -1:], **kv(out.past_key_values), use_cache=True)
 
 
 def test_a_mask_preallocated_for_a_static_cache_records_the_steps_own_columns(qwen):
@@ -290,13 +290,13 @@ def test_a_mask_preallocated_for_a_static_cache_records_the_steps_own_columns(qw
         full[:, :5] = mask
         grown = mask
         with torch.no_grad(), record_routes(qwen) as rec:
-            out = qwen(ids, attention_mask=full if preallocated else mask, cache=cache, cache_position=torch.arange(5))
+            out = qwen(ids, attention_mask=full if preallocated else mask, **kv(cache), cache_position=torch.arange(5))
             for k in range(3):
                 token = out.logits[:, -1:].argmax(-1)
                 full[:, 5 + k] = 1
                 grown = torch.cat([grown, torch.ones(2, 1, dtype=mask.dtype)], 1)
                 given = full if preallocated else grown
-                out = qwen(token, attention_mask=given, cache=cache, cache_position=torch.tensor([5 + k]))
+                out = qwen(token, attention_mask=given, **kv(cache), cache_position=torch.tensor([5 + k]))
         masks.append(rec.routes.mask)
     assert torch.equal(masks[1], masks[0]) and masks[0].sum() == 14 and not masks[0][1, :2].any()
 

@@ -1,6 +1,7 @@
 """Packed replay on every MoE causal-LM family of the installed transformers, each as a tiny fp32 model: replaying
 `pack_routes` of a right-padded batch's routes on the packed row (restarting position_ids, no mask, no cache) gives the
-padded forward's per-token log-probs (the same routes replayed there) for the families in `PACKED_FAMILIES`, and is
+padded forward's per-token log-probs (the same routes replayed there) for the families `packed_families()` lists for the
+installed transformers, and is
 refused, naming the model type, for every other family (state flowing along the row, masks built without the
 position_ids, sparse-attention top-k ties broken differently on the longer row)."""
 
@@ -16,7 +17,7 @@ from test_families import build, pad_id
 from transformers.utils import logging
 
 from moe_replay import pack_routes, record_routes, replay_routes
-from moe_replay.engines.packed_families import PACKED_FAMILIES
+from moe_replay.engines.packed_families import packed_families
 from moe_replay.errors import ReplayError
 
 logging.set_verbosity_error()
@@ -59,7 +60,7 @@ def test_packed_replay_gives_the_padded_log_probs_or_is_refused(family):
         with record_routes(model) as rec:
             model(ids, attention_mask=keep, use_cache=False)
         packed = pack_routes(rec.routes, keep)
-        if model_type not in PACKED_FAMILIES:
+        if model_type not in packed_families():
             with pytest.raises(ReplayError, match=rf"\b{re.escape(model_type)}\b"), replay_routes(model, packed):
                 model(row, position_ids=restarting, use_cache=False)
             return
@@ -71,6 +72,9 @@ def test_packed_replay_gives_the_padded_log_probs_or_is_refused(family):
     torch.testing.assert_close(logp[inside], padded, atol=TOLERANCE, rtol=0)
 
 
-def test_packed_families_are_installed_model_types():
-    """A stale entry (a model type this transformers does not have, or whose causal LM is no longer MoE) fails."""
-    assert PACKED_FAMILIES <= set(FAMILIES), sorted(PACKED_FAMILIES - set(FAMILIES))
+def test_the_installed_transformers_is_verified_and_its_packed_families_are_its_model_types():
+    """Every CI lane's transformers has its verified list (else packed replay is refused outright), and a stale entry
+    (a model type this transformers does not have, or whose causal LM is no longer MoE) fails."""
+    accepted = packed_families()
+    assert accepted, "this transformers release has no verified packed families: verify them (engines/packed_families)"
+    assert accepted <= set(FAMILIES), sorted(accepted - set(FAMILIES))

@@ -5,7 +5,7 @@ caller then does to its mask buffer."""
 from __future__ import annotations
 
 import torch
-from helpers import PAD, left_padded
+from helpers import PAD, kv, left_padded
 
 from moe_replay import record_routes
 
@@ -36,7 +36,7 @@ def test_decode_step_masks_are_read_at_the_end_of_a_generate_as_they_were(qwen):
 
     def loop(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         cache, seq, full = DynamicCache(config=qwen.config), input_ids, attention_mask
-        logits = qwen(input_ids, attention_mask=full, cache=cache, use_cache=True).logits
+        logits = qwen(input_ids, attention_mask=full, **kv(cache), use_cache=True).logits
         for k in range(6):
             token = logits[:, -1:].argmax(-1)
             seq = torch.cat([seq, token], 1)
@@ -47,7 +47,7 @@ def test_decode_step_masks_are_read_at_the_end_of_a_generate_as_they_were(qwen):
                 column[1] = 0  # a padded decode position of row 1
             full = torch.cat([full, column], 1)  # as in `generate`: a new mask per step, the old one extended
             given = None if k == 0 else full[:, -1:] if k == 1 else full
-            logits = qwen(token, attention_mask=given, cache=cache, use_cache=True).logits
+            logits = qwen(token, attention_mask=given, **kv(cache), use_cache=True).logits
         return seq
 
     got = []
