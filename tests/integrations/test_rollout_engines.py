@@ -314,3 +314,21 @@ def test_vllm_routes_know_each_rows_tokens_through_selection_and_moves(generatio
         out.prompt_token_ids = len(out.prompt_token_ids)  # a count, not the ids
     assert routes_from_vllm(counted, g.model).tokens == (None,) * len(g.rows)
     routes_from_vllm(counted, g.model).check_rows(prompts[::-1], completions[::-1], "here")  # (nothing to check)
+
+
+def test_an_all_zero_top_1_payload_warns_naming_the_likely_cause():
+    """vLLM's routing buffer holds zeros where the capture never ran: with K = 1 such a payload passes every check
+    (with K > 1 it is refused as duplicates), so it warns, naming the flag; a payload with any other id does not."""
+    import warnings
+
+    layers = [LayerInfo("model.layers.0.mlp.gate", 4, 1), LayerInfo("model.layers.1.mlp.gate", 4, 1)]
+    zeros = np.zeros((5, 2, 1), dtype=np.uint8)
+    output = SimpleNamespace(prompt_token_ids=[3, 4, 5], outputs=[SimpleNamespace(index=0, token_ids=[6, 7, 8],
+                             routed_experts=zeros)])  # fmt: skip
+    with pytest.warns(UserWarning, match=r"vLLM output 0, completion 0, routed_experts: every expert id is 0 at all "
+                      r"5 positions .*--enable-return-routed-experts"):  # fmt: skip
+        routes_from_vllm([output], layers)
+    output.outputs[0].routed_experts = zeros + np.eye(5, 1, dtype=np.uint8)[:, None]  # (one 1: a real payload may)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert routes_from_vllm([output], layers).mask.sum() == 5
