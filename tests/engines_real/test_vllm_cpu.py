@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from moe_replay import Routes, record_routes, replay_routes  # noqa: E402
 from moe_replay.integrations.vllm import routes_from_vllm  # noqa: E402
-from moe_replay.tiny import tiny_moe  # noqa: E402
+from moe_replay.tiny import tiny_moe, tiny_tokenizer  # noqa: E402
 
 VOCAB = 64
 EXPERT_SCALE = 30.0  # experts that weigh in the output: which ones a token takes shows in its log-probs
@@ -218,7 +218,7 @@ def serve(path: str, log_path: str, *flags: str):  # noqa: ANN201
     log = open(log_path, "w")  # noqa: SIM115 (closed by the caller's fixture)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+           "--port", str(port), "--dtype", "float32", "--enforce-eager", "--block-size", "32",
            "--enable-prefix-caching", "--max-model-len", "128", "--max-num-seqs", "8", *flags]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 240
@@ -236,13 +236,13 @@ def serve(path: str, log_path: str, *flags: str):  # noqa: ANN201
         time.sleep(1)
 
 
-def post(url: str, body: dict) -> dict:
+def post(url: str, body: dict, endpoint: str = "completions") -> dict:
+    """The JSON response of the server at `url` to `body` on `/v1/<endpoint>`."""
     import json
     import urllib.request
 
-    request = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(f"{url}/v1/{endpoint}", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(request, timeout=120) as r:
         return json.loads(r.read())
 
@@ -252,6 +252,12 @@ def server(tmp_path_factory):  # noqa: ANN001, ANN201
     """(vLLM's OpenAI server with routed experts on, one without, the trainer model) on a tiny Qwen3-MoE."""
     path = str(tmp_path_factory.mktemp("served"))
     write_model("qwen3_moe", path)
+    tok = tiny_tokenizer()  # (characters: ids 3..46 of the model's 64) with a chat template of its own characters
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }} {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}a "
+        "{% endif %}"
+    )
+    tok.save_pretrained(path)
     on = serve(path, f"{path}/on.log", "--enable-return-routed-experts")
     trainer = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     try:
@@ -291,3 +297,20 @@ def test_the_servers_completions_routes_are_the_trainers_and_a_server_without_th
         off[2].close()
     with pytest.raises(ValueError, match="enable-return-routed-experts"):
         routes_from_vllm(response, trainer)
+
+
+def test_the_servers_chat_completions_routes_are_the_trainers(server):
+    """`/v1/chat/completions` (the prompt built by the model's chat template, n = 2): the response's
+    `prompt_token_ids` and each choice's `token_ids` and `routed_experts` import as the trainer's routes of those
+    tokens at every recorded pair (but its near-ties)."""
+    url, path, trainer = server
+    body = {"model": path, "messages": [{"role": "user", "content": "12+34="}], "max_tokens": 5, "n": 2,
+            "temperature": 1.0, "seed": 3, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    response = post(url, body, "chat/completions")
+    prompt = response["prompt_token_ids"]
+    assert prompt == tiny_tokenizer().encode("u 12+34= a ")  # (the template ran)
+    routes = routes_from_vllm(response, trainer)
+    rows = [list(prompt) + list(c["token_ids"]) for c in response["choices"]]
+    live, ties, _ = teacher_forced(trainer, rows)
+    assert routes.batch_size == 2 and all(int(routes.mask[i].sum()) == len(r) - 1 for i, r in enumerate(rows))
+    same_but_near_ties(routes, live, ties[:, : routes.seq_len])
