@@ -36,5 +36,6 @@ _check_trl()
 
 from .layout import check_tokens, recorded_span, routes_for_batch  # noqa: E402
 from .trainer import RoutingReplayGRPOTrainer  # noqa: E402
+from .vllm_rollout import vllm_rollout  # noqa: E402
 
-__all__ = ["RoutingReplayGRPOTrainer", "check_tokens", "recorded_span", "routes_for_batch"]
+__all__ = ["RoutingReplayGRPOTrainer", "check_tokens", "recorded_span", "routes_for_batch", "vllm_rollout"]
