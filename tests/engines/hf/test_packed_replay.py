@@ -37,13 +37,19 @@ def token_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return logits.log_softmax(-1)[..., :-1, :].gather(-1, ids[..., 1:, None])[..., 0]
 
 
-def test_packed_replay_gives_the_padded_forward_and_refuses_a_forward_that_mixes_sequences():
+def recorded_and_packed() -> tuple:
+    """A tiny Qwen3-MoE, the padded batch, its packed row with restarting positions, the padded forward's recording
+    and `pack_routes` of it."""
     model = tiny_qwen3_moe()
     ids, keep = padded_batch()
     row, positions = packed_row(ids, keep)
     with torch.no_grad(), record_routes(model) as rec:
         model(ids, attention_mask=keep)
-    packed = pack_routes(rec.routes, keep)
+    return model, ids, keep, row, positions, rec, pack_routes(rec.routes, keep)
+
+
+def test_packed_replay_gives_the_padded_forward_and_refuses_a_forward_that_mixes_sequences():
+    model, ids, keep, row, positions, rec, packed = recorded_and_packed()
     perturb(model)  # live routing now moves: the replay has to force the recorded experts
 
     with replay_routes(model, rec.routes):
@@ -92,12 +98,7 @@ def test_the_inner_decoder_called_alone_is_checked_as_the_model_is():
     """Fused-loss trainers call the inner decoder (`model.model(...)`) for hidden states: its forward is checked too
     (found by review: the check sat on the model given, so the inner decoder replayed packed routes with an attention
     mask or a cache, the sequences attending to each other, no error); run as packed sequences, it replays."""
-    model = tiny_qwen3_moe()
-    ids, keep = padded_batch()
-    row, positions = packed_row(ids, keep)
-    with torch.no_grad(), record_routes(model) as rec:
-        model(ids, attention_mask=keep)
-    packed = pack_routes(rec.routes, keep)
+    model, ids, keep, row, positions, rec, packed = recorded_and_packed()
     with torch.no_grad():
         for why, kwargs in {
             "given an attention_mask": {"attention_mask": torch.ones_like(row), "use_cache": False},
