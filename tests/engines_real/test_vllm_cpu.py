@@ -4,8 +4,8 @@ run offline and as its OpenAI server on tiny MoE models written with `save_pretr
 
 What must hold at every recorded (position, layer): `routes_from_vllm` of the engine's outputs holds the experts a
 Hugging Face teacher-forced forward of the same fp32 weights picks (but that forward's near-ties, which the two
-engines' float noise may swap: `helpers.near_ties`), for n > 1 completions, a prefix-cache hit, `prompt_start`, a
-request stopped at a stop token and one at `max_tokens`, offline and through the server; and replay does work: with the
+engines' float noise may swap: `helpers.near_ties`), for n > 1 completions, a prefix-cache hit, `prompt_start`,
+requests stopped at a stop token, at EOS and at `max_tokens`, offline and through the server; and replay does work: with the
 trainer's routers perturbed, live routing leaves vLLM's experts, `replay_routes` with vLLM's routes puts them back at
 every recorded position and brings the log-probs closer to vLLM's."""
 
@@ -153,15 +153,17 @@ def test_offline_routes_are_the_trainers_at_every_recorded_position(engine):
     assert (theirs - logp).abs()[where].max() < 1e-4
 
 
-def test_prompt_start_and_both_ways_a_request_stops(engine):
-    """`routed_experts_prompt_start=3` leaves the first 3 prompt positions unrecorded (they route live in a replay); a
-    request stopped at a stop token and one that ran to `max_tokens` each hold their own positions."""
+def test_prompt_start_and_each_way_a_request_stops(engine):
+    """`routed_experts_prompt_start=3` leaves the first 3 prompt positions unrecorded (they route live in a replay);
+    requests stopped at a stop token, at EOS, and at `max_tokens` each hold their own positions."""
     llm, trainer = engine
     stopped = generate(llm, min_tokens=2, max_tokens=8, stop_token_ids=list(range(2, VOCAB)))
+    at_eos = generate(llm, min_tokens=2, max_tokens=8, logit_bias={1: 50.0})  # (EOS id 1, the model's config)
     full = generate(llm, max_tokens=5, ignore_eos=True, routed_experts_prompt_start=3)
-    assert {c.finish_reason for o in stopped for c in o.outputs} == {"stop"}
+    assert {c.finish_reason for o in stopped + at_eos for c in o.outputs} == {"stop"}
+    assert all(list(c.token_ids)[-1] == 1 for o in at_eos for c in o.outputs)  # (vLLM stops at the config's EOS)
     assert {c.finish_reason for o in full for c in o.outputs} == {"length"}
-    for outputs, start in ((stopped, 0), (full, 3)):
+    for outputs, start in ((stopped, 0), (at_eos, 0), (full, 3)):
         routes = routes_from_vllm(outputs, trainer, prompt_start=start)
         rows = rows_of(outputs)
         live, ties, _ = teacher_forced(trainer, rows)
