@@ -5,9 +5,9 @@ run offline and as its OpenAI server on tiny MoE models written with `save_pretr
 What must hold at every recorded (position, layer): `routes_from_vllm` of the engine's outputs holds the experts a
 Hugging Face teacher-forced forward of the same fp32 weights picks (but that forward's near-ties, which the two
 engines' float noise may swap: `helpers.near_ties`), for n > 1 completions, a prefix-cache hit, `prompt_start`,
-requests stopped at a stop token, at EOS and at `max_tokens`, offline and through the server; and replay does work: with the
-trainer's routers perturbed, live routing leaves vLLM's experts, `replay_routes` with vLLM's routes puts them back at
-every recorded position and brings the log-probs closer to vLLM's."""
+requests stopped at a stop token, at EOS and at `max_tokens`, offline and through the server; and replay does work:
+with the trainer's routers perturbed, live routing leaves vLLM's experts, `replay_routes` with vLLM's routes puts them
+back at every recorded position and brings the log-probs closer to vLLM's."""
 
 from __future__ import annotations
 
