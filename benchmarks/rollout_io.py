@@ -74,7 +74,8 @@ def peak_child(kind: str, path: str) -> None:
         data = pickle.load(f)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to the current RSS
     before = status_kib("VmRSS")
-    routes = routes_from_sglang(data, LAYERS) if kind == "sglang" else routes_from_vllm(vllm_outputs(data), LAYERS)
+    sglang = kind == "sglang"
+    routes = routes_from_sglang(data, LAYERS, num_layers=L) if sglang else routes_from_vllm(vllm_outputs(data), LAYERS)
     print((status_kib("VmHWM") - before) * 1024, routes.nbytes)
 
 
@@ -131,7 +132,7 @@ def main() -> None:
                 np.frombuffer(base64.b64decode(r["meta_info"]["routed_experts"]), dtype="<i4").reshape(-1, L, K)
 
         t_decode = best(decode, reps)
-        t_sglang = best(lambda: routes_from_sglang(responses, LAYERS), reps)
+        t_sglang = best(lambda: routes_from_sglang(responses, LAYERS, num_layers=L), reps)
         add("SGLang import vs base64 decode", t_sglang, t_decode, "s", "ratio <= 2", t_sglang / t_decode <= 2)
         npys = []  # vLLM >= 0.22's server form: base64 of an .npy file, uint8 at <= 256 experts
         for a in arrays:

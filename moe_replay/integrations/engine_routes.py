@@ -38,7 +38,7 @@ class EngineRoutes(Routes):
             raise ValueError(f"{len(tokens)} rows of tokens for routes of B={routes.batch_size}")
         obj = object.__new__(cls)
         obj.indices, obj.mask, obj.layers, obj.version = routes.indices, routes.mask, routes.layers, routes.version
-        obj.tokens = tuple(None if t is None else tuple(int(x) for x in t) for t in tokens)
+        obj.tokens = tuple(None if t is None else tuple(t) for t in tokens)
         return obj
 
     def to(self, device: torch.device | str) -> EngineRoutes:
@@ -59,7 +59,7 @@ class EngineRoutes(Routes):
         for i, (own, prompt, completion) in enumerate(zip(self.tokens, prompt_ids, completion_ids, strict=True)):
             if own is None:
                 continue
-            given = tuple(int(x) for x in prompt) + tuple(int(x) for x in completion)
+            given = tuple(_as_list(prompt)) + tuple(_as_list(completion))
             if own[: len(given)] != given:
                 at = next(
                     (t for t, (a, b) in enumerate(zip(own, given, strict=False)) if a != b), min(len(own), len(given))
@@ -69,3 +69,8 @@ class EngineRoutes(Routes):
                     f"differ at position {at}, of {len(own)} and {len(given)} tokens): rows reordered, or routes of "
                     "another request; keep the engine's outputs in the order of the rows"
                 )
+
+
+def _as_list(ids: Any) -> list:
+    """Token ids (a list, or a tensor or array of them) as a list of Python ints."""
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)

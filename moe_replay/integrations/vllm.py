@@ -183,12 +183,20 @@ def _rows_of(out: Any, r: int, K: int, start: int) -> list[tuple[np.ndarray, boo
 
 
 def _ids(value: Any, where: str, field: str) -> tuple[int, ...]:
-    """A list of token ids (list, tuple, 1-D array or tensor) as ints, or a ValueError naming the first that is not."""
-    listed = value.tolist() if isinstance(value, np.ndarray | torch.Tensor) else list(value)
-    bad = next((i for i, x in enumerate(listed) if not is_integer_scalar(x)), None)
-    if bad is not None:
+    """A list of token ids (list, tuple, 1-D array or tensor) as ints, or a ValueError naming the first that is not
+    (checked by numpy's dtype: a list of ints converts in C; only a refusal walks the list)."""
+    if isinstance(value, torch.Tensor):
+        array = value.detach().cpu().numpy()
+    else:
+        try:
+            array = np.asarray(value) if len(value) else np.zeros(0, dtype=np.int64)
+        except (TypeError, ValueError):  # (ragged or nested: refused below)
+            array = np.asarray(value, dtype=object)
+    if array.dtype.kind not in "iu" or array.ndim != 1:
+        listed = list(value)
+        bad = next((i for i, x in enumerate(listed) if not is_integer_scalar(x)), 0)
         raise ValueError(f"{where}: {field} must hold token ids (whole numbers), got {shown(listed[bad])} at {bad}")
-    return tuple(int(x) for x in listed)
+    return tuple(array.tolist())
 
 
 def _cached_tokens(out: Any, server: bool, where: str) -> int | None:
