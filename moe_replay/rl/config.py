@@ -59,6 +59,8 @@ class TrainConfig:
     group_size: int = 8
     minibatches: int = 4
     lr: float = 1e-4
+    router_lr: float | None = None  # the routers' own learning rate (a parameter group of their own); None: lr
+    lr_warmup_steps: int = 0  # every learning rate rises linearly over the first N steps (lr x step / N); 0: none
     max_grad_norm: float = 1.0  # inf: no clipping (the gradient norm is still logged)
     importance_sampling_level: str = "token"
     epsilon_low: float | None = None

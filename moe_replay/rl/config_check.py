@@ -81,6 +81,10 @@ def check_ranges(cfg: TrainConfig) -> None:
         )
     for key in ("lr", "warm_start_lr", "router_scale"):
         _positive(key, getattr(cfg, key))
+    if cfg.router_lr is not None:
+        _positive("router_lr", cfg.router_lr)
+    if cfg.lr_warmup_steps < 0:
+        raise ValueError(f"lr_warmup_steps must be >= 0 (0: no warmup), got {cfg.lr_warmup_steps}")
     if not 0 <= cfg.rollout_selection_noise < math.inf:
         raise ValueError(f"rollout_selection_noise must be a finite std >= 0, got {cfg.rollout_selection_noise}")
     age = cfg.replay_max_age

@@ -22,6 +22,7 @@ from ..engines.hf import keep_warm
 from .config import TrainConfig
 from .diagnostics import EVAL_KEYS, heldout_eval, k3_kl, mean_rows, pooled_stats
 from .logs import append_rows, truncate_rows
+from .optim import parameter_groups, set_learning_rates
 from .policy import build_policy, sampled_reward, scale_routers, warm_start
 from .sampler import make_sampler, mismatch_metrics
 from .step import answer_logp, minibatch_update, rollout
@@ -81,7 +82,7 @@ class Run:
         self._make_optimizer()
 
     def _make_optimizer(self) -> None:
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=self.cfg.lr)
+        self.opt = torch.optim.Adam(parameter_groups(self.model, self.cfg), lr=self.cfg.lr)
         self.task_gen = torch.Generator().manual_seed(self.cfg.seed + 1)
         self.perm_gen = torch.Generator().manual_seed(self.cfg.seed + 2)
         n = self.cfg.heldout_prompts
@@ -127,6 +128,7 @@ class Run:
         (`minibatch_update`); returns the step's row and the minibatches' rows."""
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
+        rates = set_learning_rates(self.opt, cfg, self.step)
         prompts, answers = self.task.sample(cfg.prompts, self.task_gen, exclude=self.exclude)
         batch = rollout(
             model,
@@ -152,6 +154,7 @@ class Run:
             "step": self.step + 1,
             "reward_mean": float(batch.rewards.mean()),
             "exact_match": float(batch.exact.mean()),
+            **rates,
             **mismatch_metrics(batch.trainer_logp, batch.sampler_logp, batch.mask),
         }
         live = teacher_forced_routes(model, batch.sequences) if cfg.diagnostics else None
