@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from torch import nn
 
@@ -221,6 +222,42 @@ def running_mean(frame: pd.DataFrame, column: str = "reward_mean", window: int =
     """
     keys = [k for k in ("setting", "arm", "seed") if k in frame.columns]
     return frame.groupby(keys)[column].transform(lambda r: r.rolling(window, min_periods=1).mean())
+
+
+def seed_label(name: object, seeds: int) -> str:
+    """A legend entry that says how many seeds an arm's mean is over: "GSPO (3 seeds)"."""
+    return f"{name} ({seeds} seed{'s' if seeds != 1 else ''})"
+
+
+def seed_lines(
+    ax: Axes,
+    frame: pd.DataFrame,
+    y: str,
+    *,
+    x: str = "step",
+    group: str = "arm",
+    seed: str = "seed",
+    scale: float = 1.0,
+    runs: bool = True,
+    colors: Mapping[object, str] | None = None,
+    styles: Mapping[object, Mapping[str, Any]] | None = None,
+) -> None:
+    """Per `group` (in the frame's order): each seed's run as a thin line (unless `runs` is False) and the mean over
+    seeds as a bold one (thinner without the runs), labelled with its seed count (`seed_label`); no ± sd band, which
+    hides bimodal seeds and can leave the range a metric can take. `colors` and `styles` (extra plot keywords) may be
+    given per group.
+
+    Example:
+        >>> seed_lines(ax, evals, "eval/sampled/reward", colors={"GRPO": "C0"})  # doctest: +SKIP
+    """
+    for i, (name, part) in enumerate(frame.groupby(group, sort=False)):
+        kw = {"color": (colors or {}).get(name, f"C{i}"), **(styles or {}).get(name, {})}
+        if runs:
+            for _, run in part.groupby(seed):
+                run = run.sort_values(x)
+                ax.plot(run[x], run[y] * scale, lw=0.6, alpha=0.35, **kw)
+        mean = part.groupby(x)[y].mean().sort_index() * scale
+        ax.plot(mean.index, mean.values, lw=1.8 if runs else 1.2, label=seed_label(name, part[seed].nunique()), **kw)
 
 
 def write_table(frame: pd.DataFrame, path: Path) -> Path:

@@ -22,11 +22,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from common import ROUND3_ARMS, parse_args, publish, running_mean, shard_option, sharded_steps, train_log
+from common import (
+    CHANCE,
+    ROUND3_ARMS,
+    parse_args,
+    publish,
+    running_mean,
+    seed_lines,
+    shard_option,
+    sharded_steps,
+    train_log,
+)
 from matplotlib.figure import Figure
 from paired_stats import paired_table
-
-from moe_replay.analysis import plots
 
 ARMS = ROUND3_ARMS  # GRPO, GRPO + R2 and GSPO
 HELDOUT = "eval/sampled/reward"
@@ -122,27 +130,47 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(frame: pd.DataFrame) -> Figure:
-    """Held-out reward and its paired gap to GRPO over training, p99 |log-ratio| and clipped tokens (mean ± sd over
-    seeds)."""
-    fig = Figure(figsize=(14, 7), layout="constrained")
-    axes = fig.subplots(2, 2).flatten()
+    """Held-out reward from its first evaluation (step 10) with each seed's warm start (its step-1 rollout reward: the
+    log has no held-out evaluation before step 10) and chance; the training reward of the first 30 steps (the drop
+    after step 1); the paired gap to GRPO, p99 |log-ratio| and clipped tokens. Each seed thin, the mean bold (no sd
+    band: it hides bimodal seeds), every arm labelled with its seed count."""
+    fig = Figure(figsize=(16, 8), layout="constrained")
+    axes = fig.subplot_mosaic([["heldout", "heldout", "early"], ["gap", "p99", "clipped"]])
+    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
     evals = frame.dropna(subset=[HELDOUT])
+    ax = axes["heldout"]
+    seed_lines(ax, evals, HELDOUT, colors=colors)
+    warm = frame[frame.step == frame.step.min()].groupby("seed").reward_mean.first()
+    label = f"warm start, per seed (step-1 rollouts, {len(warm)} seeds)"
+    ax.plot([0] * len(warm), warm.values, "kx", ms=7, label=label)
+    ax.axhline(CHANCE, color="k", lw=0.8, ls=":", label=f"chance ({CHANCE:g} per digit)")
+    ax.set(xlabel="step", ylabel="held-out reward (256 prompts)")
+    ax.set_title(f"held-out reward (first evaluation: step {evals.step.min()}; x at 0: the warm start's rollouts)")
+    ax.legend(fontsize="small", loc="upper left")
+    ax = axes["early"]
+    seed_lines(ax, frame[frame.step <= 30], "reward_mean", colors=colors)
+    ax.axhline(CHANCE, color="k", lw=0.8, ls=":", label=f"chance ({CHANCE:g})")
+    ax.set(xlabel="step", ylabel="sampled reward of the training batch (64 answers)")
+    ax.set_title("training reward, steps 1-30 (step 1: the warm start)")
+    ax.legend(fontsize="x-small")
     wide = evals.pivot_table(index=["seed", "step"], columns="arm", values=HELDOUT)
     gap = wide.sub(wide["GRPO"], axis=0).reset_index().melt(id_vars=["seed", "step"], var_name="arm", value_name="gap")
-    plots.over_training(evals, y=HELDOUT, group="arm", ylabel="held-out reward (256 prompts)", ax=axes[0],
-                        title="held-out reward")  # fmt: skip
-    plots.over_training(gap.dropna(), y="gap", group="arm", ylabel="arm − GRPO, same seed", ax=axes[1],
-                        title="held-out reward gap to GRPO (paired)")  # fmt: skip
-    axes[1].axhline(0.0, color="grey", lw=0.8)
+    ax = axes["gap"]
+    seed_lines(ax, gap[gap.arm != "GRPO"].dropna(), "gap", colors=colors)
+    ax.axhline(0.0, color=colors["GRPO"], lw=0.8, label="GRPO (0)")
+    ax.set(xlabel="step", ylabel="arm − GRPO, same seed", title="held-out reward gap to GRPO (paired)")
+    ax.legend(fontsize="small")
     smooth = frame.assign(p99=running_mean(frame, "abs_log_ratio/p99", 10))
     smooth = smooth.assign(clipped=running_mean(frame, "clip_ratio/region_mean", 10))
-    plots.over_training(smooth, y="p99", group="arm", ylabel="p99 |token log-ratio| (10-step mean)", ax=axes[2],
-                        title="ratio tails")  # fmt: skip
-    plots.over_training(smooth, y="clipped", group="arm", ylabel="clipped tokens (10-step mean)", percent=True,
-                        ax=axes[3], title="clipped tokens")  # fmt: skip
+    seed_lines(axes["p99"], smooth, "p99", colors=colors)
+    axes["p99"].set(xlabel="step", ylabel="p99 |token log-ratio| (10-step mean)", title="ratio tails")
+    seed_lines(axes["clipped"], smooth, "clipped", scale=100, colors=colors)
+    axes["clipped"].set(xlabel="step", ylabel="clipped tokens (10-step mean, %)", title="clipped tokens")
+    for name in ("p99", "clipped"):
+        axes[name].legend(fontsize="small")
     fig.suptitle(
         "Round 3, gate failed: pair sums of 16 tokens, 4 layers, 16 experts top-2, lr 1e-3 "
-        f"(mean ± sd over seeds: GRPO {frame[frame.arm == 'GRPO'].seed.nunique()})"
+        "(each seed thin, mean over seeds bold; seeds per arm in the legends)"
     )
     return fig
 

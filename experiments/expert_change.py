@@ -137,18 +137,23 @@ def report(frame: pd.DataFrame, out: Path) -> None:
     print(table.to_string(index=False, formatters={"lr": "{:g}".format}, float_format=lambda v: f"{v:.2f}"))
     fig = Figure(figsize=(11, 4.4), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
-    panels = [("first", "first update"), ("later", "later updates (mean of 2..N)")]
+    panels = [("first", "update 1: a fresh Adam (every weight moves by about lr)"),
+              ("later", f"later updates (mean of 2..{updates})")]  # fmt: skip
     for ax, (col, which) in zip(axes, panels, strict=True):
         for variant, part in table.groupby("variant", sort=False):
             mean, sd = part[f"{col}_mean"], part[f"{col}_sd"]
             (line,) = ax.plot(part.lr, mean, marker="o", label=variant)
             ax.fill_between(part.lr, mean - sd, mean + sd, alpha=0.1, color=line.get_color())
-        ax.axhline(10, color="k", lw=1, ls=":", label="GSPO paper: ~10%")
+        # the paper's number is another model's (48 layers, 128 experts, top-8) deep into training: a reference only
+        ax.axhline(10, color="k", lw=1, ls=":", label="~10%: GSPO paper, Qwen3-30B-A3B (not this model)")
         ax.set_xscale("log")
         ax.set_xlabel("learning rate (Adam)")
-        ax.set_title(which)
+        ax.set_title(which, fontsize="medium")
+    axes[0].set_facecolor("#fff3e0")  # the fresh-Adam panel, shaded: its first step is not a steady-state update
+    axes[0].text(0.03, 0.97, "shaded: a fresh Adam's first step,\nnot a step deep into training", ha="left",
+                 va="top", transform=axes[0].transAxes, fontsize="small", color="#a0522d")  # fmt: skip
     axes[0].set_ylabel("routed experts changed by one update (%)")
-    axes[0].legend(fontsize="small", ncol=2)
+    axes[1].legend(fontsize="small", ncol=2, loc="upper left")  # (the right panel's top left is empty)
     fig.suptitle(f"Expert change after one GRPO update, tiny MoE, 3-digit addition (mean ± sd over {seeds} seeds)")
     save_figure(fig, out / "expert_change_lr.png")
 
@@ -163,7 +168,8 @@ def report(frame: pd.DataFrame, out: Path) -> None:
         ax.fill_between(mean.index, mean - sd, mean + sd, alpha=0.15, color=line.get_color())
     ax.set_xlabel("MoE layer index")
     ax.set_ylabel(f"routed experts changed (%), mean of {updates} updates")
-    ax.set_title(f"Expert change per layer, by depth (lr {lr:g}; mean ± sd over {seeds} seeds)", fontsize="medium")
+    ax.set_title(f"Expert change per layer, by depth (lr {lr:g}; mean ± sd over {seeds} seeds)\n"
+                 f"updates 1-{updates} of a fresh Adam, update 1 included", fontsize="medium")  # fmt: skip
     ax.legend(fontsize="small")
     save_figure(fig, out / "expert_change_layers.png")
     print(f"wrote {out}/expert_change.csv and two figures")

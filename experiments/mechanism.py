@@ -91,8 +91,8 @@ def share(frame: pd.DataFrame, column: str) -> pd.Series:
 
 
 def figure(frame: pd.DataFrame) -> Figure:
-    """Variance, p99 and clipped share of the token log-ratio per lr, routed live vs replayed (mean ± sd over seeds),
-    and the paired panel: routing's share 1 − replayed / live per seed."""
+    """Variance, p99 and clipped share of the token log-ratio per lr, routed live vs replayed (mean ± sd over seeds,
+    linear axes, each mean written on its bar), and the paired panel: routing's share 1 − replayed / live per seed."""
     fig = Figure(figsize=(12, 3.4), layout="constrained")
     axes = fig.subplots(1, 4)
     lrs = sorted(frame.lr.unique())
@@ -102,17 +102,21 @@ def figure(frame: pd.DataFrame) -> Figure:
         ["variance of token log-ratio", "p99 of |token log-ratio|", "tokens outside clip band (%)"],
         strict=False,
     ):
+        top = 0.0
         for k, view in enumerate(["live routing", "routing replay"]):
             per = frame[frame.view == view].groupby(["lr", "seed"])[col].mean().groupby("lr")
             mean, sd = per.mean(), per.std().fillna(0)
             scale = 100 if col == "outside_clip" else 1
             xs = [i + (k - 0.5) * 0.38 for i in range(len(lrs))]
-            ax.bar(xs, mean.values * scale, width=0.38, yerr=sd.values * scale, label=view, capsize=2)
+            bars = ax.bar(xs, mean.values * scale, width=0.38, yerr=sd.values * scale, label=view, capsize=2)
+            # a linear axis (a log one shrinks the live/replayed difference out of sight); every value written above
+            # its bar, since the low rates' bars are small next to lr 1e-3's
+            ax.bar_label(bars, [f"{v:.3g}" for v in mean.values * scale], fontsize=6.5, rotation=90, padding=2)
+            top = max(top, float((mean + sd).max()) * scale)
         ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
         ax.set_xlabel("learning rate")
         ax.set_ylabel(label)
-        if col != "outside_clip":  # values span orders of magnitude across the rates: a linear axis hides the small
-            ax.set_yscale("log")
+        ax.set_ylim(0, top * 1.2)  # (room for the values above the error bars)
     axes[0].legend(fontsize="small")
     ax = axes[3]
     for k, (col, label) in enumerate([("var_log_ratio", "of the variance"), ("outside_clip", "of clipped tokens")]):

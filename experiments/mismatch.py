@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from common import WARM_STARTS, run_script, train_log, warm_started
+from common import WARM_STARTS, run_script, running_mean, seed_label, seed_lines, train_log, warm_started
+from matplotlib.axes import Axes
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from paired_stats import gap_columns, last_evaluations
 
@@ -113,36 +115,53 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 def figure(frame: pd.DataFrame, sampler: str = "bf16 + fp8-e5m2 sampler") -> Figure:
     """Per π_old source: the held-out reward over steps and its paired gap to GRPO of the same source and seed (the
-    summary's metric), on shared y-axes; and the routing mismatch and the sampler–trainer KL of every arm (the
-    sampler's, whatever the source; the KL is against the trainer's forward under the arm's replay). Mean ± sd over
-    seeds."""
+    summary's metric), on shared y-axes, mean ± sd over seeds; and the routing mismatch and the sampler–trainer KL of
+    every arm (the sampler's, whatever the source; the KL is against the trainer's forward under the arm's replay),
+    each run's 5-step running mean, the mean over seeds only (colour: method, line style: source). Every legend entry
+    says its arm's seed count."""
     evals = frame.dropna(subset=[HELDOUT])
-    fig = Figure(figsize=(14, 7), layout="constrained")
-    axes = fig.subplots(2, 3)
+    colors = {method: f"C{i}" for i, method in enumerate(dict.fromkeys(frame.method))}
+    fig = Figure(figsize=(16, 7.5), layout="constrained")
+    axes = fig.subplots(2, 3, gridspec_kw={"width_ratios": [1, 1, 1.25]})
+
+    def by_method(data: pd.DataFrame, ax: Axes, **kw: object) -> None:
+        """`plots.over_training` by method, each in its colour, labelled with its seed count."""
+        counts = data.groupby("method", sort=False).seed.nunique()
+        ax.set_prop_cycle(color=[to_hex(colors[m]) for m in counts.index])  # (a cycle takes no "C0")
+        labelled = data.assign(method=data.method.map(lambda m: seed_label(m, counts[m])))
+        plots.over_training(labelled, group="method", ax=ax, **kw)
+
     for col, source in enumerate(SOURCES):
         part = evals[evals.source == source]
-        plots.over_training(part, y=HELDOUT, group="method", ylabel="held-out reward (sampled)", ax=axes[0, col],
-                            title=f"π_old from the {source}")  # fmt: skip
+        by_method(part, axes[0, col], y=HELDOUT, ylabel="held-out reward (sampled)", title=f"π_old from the {source}")
         wide = part.pivot_table(index=["seed", "step"], columns="method", values=HELDOUT)
         gap = wide.sub(wide["GRPO"], axis=0).reset_index()  # (GRPO's own 0 stays: every arm keeps its colour)
-        gap = gap.melt(id_vars=["seed", "step"], var_name="method", value_name="gap")
-        plots.over_training(gap, y="gap", group="method", ylabel="arm − GRPO, same source and seed", ax=axes[1, col],
-                            title=f"paired gap to GRPO, π_old from the {source}")  # fmt: skip
+        gap = gap.melt(id_vars=["seed", "step"], var_name="method", value_name="gap").dropna()
+        by_method(gap, axes[1, col], y="gap", ylabel="arm − GRPO, same source and seed",
+                  title=f"paired gap to GRPO, π_old from the {source}")  # fmt: skip
         axes[1, col].axhline(0.0, color="grey", lw=0.8)
     for row in axes[:, :2]:
         low = min(ax.get_ylim()[0] for ax in row)
         high = max(ax.get_ylim()[1] for ax in row)
         for ax in row:
             ax.set_ylim(low, high)  # (the two sources' panels on one scale)
-    plots.over_training(frame.assign(arm_source=frame.method + ", " + frame.source), y="mismatch/fraction",
-                        group="arm_source", percent=True, ylabel="routed experts: sampler vs trainer", ax=axes[0, 2],
-                        title="routing mismatch, every arm")  # fmt: skip
-    log_kl = np.log10(frame["sampler/kl_k3"].clip(lower=1e-16))  # (mean ± sd of the log: a geometric band)
-    plots.over_training(frame.assign(arm_source=frame.method + ", " + frame.source, log_kl=log_kl), y="log_kl",
-                        group="arm_source", ylabel="log10 KL(sampler ‖ trainer forward), k3", ax=axes[1, 2],
-                        title="sampler–trainer KL, every arm")  # fmt: skip
-    seeds = frame.seed.nunique()
-    fig.suptitle(f"{sampler} against an fp32 trainer, tiny MoE (mean ± sd over {seeds} seed(s))")
+    arms = frame.assign(arm_source=frame.method + ", " + frame.source)
+    arms = arms.assign(log_kl=np.log10(frame["sampler/kl_k3"].clip(lower=1e-16)))  # (the mean of the log: geometric)
+    # each run's 5-step running mean (arm and seed: `running_mean`'s keys), so that 8-10 arms stay apart
+    arms = arms.assign(mismatch=running_mean(arms, "mismatch/fraction"), log_kl=running_mean(arms, "log_kl"))
+    keys = arms[["arm_source", "method", "source"]].drop_duplicates()
+    line_colors = {k.arm_source: colors[k.method] for k in keys.itertuples()}
+    styles = {k.arm_source: {"ls": "-" if k.source == "trainer" else "--"} for k in keys.itertuples()}
+    for ax, y, scale, ylabel, title in (
+        (axes[0, 2], "mismatch", 100, "routed experts: sampler vs trainer (%)", "routing mismatch"),
+        (axes[1, 2], "log_kl", 1, "log10 KL(sampler ‖ trainer forward), k3", "sampler–trainer KL"),
+    ):
+        seed_lines(ax, arms, y, group="arm_source", scale=scale, runs=False, colors=line_colors, styles=styles)
+        ax.set(xlabel="step", ylabel=ylabel, title=f"{title}, every arm\n(each run's 5-step mean; the mean over seeds)")
+    fig.legend(*axes[0, 2].get_legend_handles_labels(), loc="outside right center", fontsize="x-small",
+               title="right-hand panels\nsolid: π_old from the trainer\ndashed: from the sampler",
+               title_fontsize="x-small")  # fmt: skip
+    fig.suptitle(f"{sampler} against an fp32 trainer, tiny MoE (mean ± sd over seeds; seeds per arm in the legends)")
     return fig
 
 

@@ -104,78 +104,102 @@ def extrapolate(frame: pd.DataFrame, draws: int = 4000, seed: int = 0) -> pd.Dat
 
 
 def figure(frame: pd.DataFrame, fit: pd.DataFrame, kl_target: float, at_chance: frozenset[str] = frozenset()) -> Figure:
-    """Routing's shares along each axis (seeds as dots, mean ± sd as bars), the depth fit extended to 48 layers with
-    its 90% intervals, and the per-update KL each setting reached against the target. Settings in `at_chance` (whose
-    warm start did not learn the task) are labelled so on the experts and answer axes."""
+    """Routing's shares along each axis (seeds as dots, mean ± sd as error bars) with the depth fit over the measured
+    depths; in a panel of its own, shaded and with hollow markers, the fit's extrapolation to 48 layers with its 90%
+    intervals (not a measurement); and the per-update KL each setting reached against the target (seeds as dots, the
+    mean as a bar-free marker on a log axis). Settings in `at_chance` (whose warm start did not learn the task) are
+    labelled so on the experts and answer axes."""
     seeds = per_seed(frame)
     stats = summarize(frame)
-    fig = Figure(figsize=(14, 5.4), layout="constrained")
-    axes = fig.subplots(1, 4, gridspec_kw={"width_ratios": [1.4, 1, 1, 1.3]})
+    fig = Figure(figsize=(18, 6.2), layout="constrained")
+    axes = fig.subplots(1, 5, gridspec_kw={"width_ratios": [1.2, 0.75, 1.1, 0.8, 1.4]})
+    depth_ax, extra_ax = axes[0], axes[1]
+    extra_ax.sharey(depth_ax)  # (on the measured depths' scale)
     colors = {"share_var": "C0", "share_clip": "C1"}
-    panels = [("depth", ["base", "depth"]), ("experts / top-k", ["base", "experts"]), ("answer", ["length"])]
-    for ax, (title, kinds) in zip(axes, panels, strict=False):
+    panels = [("depth", ["base", "depth"], axes[0]), ("experts / top-k", ["base", "experts"], axes[2]),
+              ("answer", ["length"], axes[3])]  # fmt: skip
+    for title, kinds, ax in panels:
         rows = stats[stats.varies.isin(kinds)]
         rows = rows.sort_values("layers") if title == "depth" else rows
-        ax.set_title(f"along {title}", fontsize="medium")
+        ax.set_title(f"along {title}" + (" (measured)" if title == "depth" else ""), fontsize="medium")
         if rows.empty:
             ax.text(0.5, 0.5, "not in this preset", ha="center", transform=ax.transAxes)
             continue
         if title == "depth":
             xs = np.log2(rows.layers.to_numpy(float))
-            ticks = [*rows.layers.tolist(), TARGET_LAYERS]
-            ax.set_xticks(np.log2(ticks), [str(t) for t in ticks])
+            ax.set_xticks(xs, [str(t) for t in rows.layers])
+            ax.set_xlim(xs.min() - 0.4, xs.max() + 0.4)
             ax.set_xlabel("layers (16 experts, top-2)")
         else:
             xs = np.arange(len(rows), dtype=float)
             names = rows.setting.str.replace("base", "16 experts, top-2" if title != "answer" else "base")
             labels = [n.replace(", ", "\n") + ("\n(warm start\nat chance)" if n in at_chance else "") for n in names]
-            ax.set_xticks(xs, labels, fontsize="small")
+            ax.set_xticks(xs, labels, fontsize="x-small")
             ax.set_xlim(-0.5, len(rows) - 0.5)
             ax.set_xlabel(
-                "4 layers" + (", 16 experts, top-2" if title == "answer" else "; E and top-k change together")
+                "4 layers" + (",\n16 experts, top-2" if title == "answer" else ";\nE and top-k change together")
             )
         for k, (metric, label) in enumerate(METRICS.items()):
             off = (k - 0.5) * 0.08 if title == "depth" else (k - 0.5) * 0.2
             mean, sd = rows[f"{metric}_mean"].to_numpy() * 100, rows[f"{metric}_sd"].fillna(0).to_numpy() * 100
             ax.errorbar(xs + off, mean, sd, fmt="o-" if title == "depth" else "o", color=colors[metric], capsize=3,
-                        label=f"share of {label}")  # fmt: skip
+                        label=f"share of {label} (measured; dots: seeds)")  # fmt: skip
             for x, name in zip(xs, rows.setting, strict=True):
                 dots = seeds.loc[seeds.setting == name, metric] * 100
                 ax.plot([x + off] * len(dots), dots, ".", color=colors[metric], alpha=0.35)
             if title == "depth":
-                extend(ax, fit[fit.metric == label], rows, colors[metric], off)
+                depth_fit(ax, fit[fit.metric == label], rows, colors[metric], off)
+                extrapolated(extra_ax, fit[fit.metric == label], colors[metric], (k - 0.5) * 0.2)
         ax.axhline(50, color="gray", lw=0.8, ls=":", label="50%: routing half the noise")
         ax.set_ylabel("routing's share (%)")
-        ax.legend(
-            fontsize="xx-small", loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2
-        )  # (below: no data hidden)
-    kl = seeds.groupby("setting", sort=False).kl_update.agg(["mean", "std"])
-    axes[3].bar(range(len(kl)), kl["mean"], yerr=kl["std"].fillna(0), color="C2", capsize=2)
-    axes[3].axhline(kl_target, color="k", lw=0.8, ls="--", label=f"target {kl_target:g}")
-    axes[3].set_xticks(range(len(kl)), kl.index, rotation=45, ha="right", fontsize="x-small")
-    axes[3].set_ylabel("KL per GRPO step (nats / token)")
-    axes[3].set_yscale("log")
-    axes[3].legend(fontsize="x-small")
-    axes[3].set_title("the matched per-update KL, reached", fontsize="medium")
+    extra_ax.axhline(50, color="gray", lw=0.8, ls=":")
+    extra_ax.set_facecolor("0.94")
+    extra_ax.set_title(f"extrapolated to {TARGET_LAYERS} layers\n(the depth fit: not measured)", fontsize="medium")
+    extra_ax.set_xticks([0, 1], [f"{TARGET_LAYERS} layers,\n16 experts,\ntop-2", f"{TARGET_LAYERS} layers,\n{WIDE}"],
+                        fontsize="x-small")  # fmt: skip
+    extra_ax.set_xlim(-0.6, 1.6)
+    extra_ax.set_xlabel("128 experts: plus its gap\nto the base at 4 layers")
+    kl = seeds.groupby("setting", sort=False).kl_update
+    ax = axes[4]
+    for i, (_name, values) in enumerate(kl):
+        ax.plot([i] * len(values), values, ".", color="C2", alpha=0.5, label="seeds" if i == 0 else None)
+        ax.plot([i], [values.mean()], "_", color="k", ms=14, mew=2, label="mean over seeds" if i == 0 else None)
+    ax.axhline(kl_target, color="k", lw=0.8, ls="--", label=f"target {kl_target:g}")
+    ax.set_xticks(range(kl.ngroups), list(kl.groups), rotation=45, ha="right", fontsize="x-small")
+    ax.set_ylabel("KL per GRPO step (nats / token)")
+    ax.set_yscale("log")
+    ax.legend(fontsize="x-small")
+    ax.set_title("per-update KL reached vs the target", fontsize="medium")
+    handles = {}
+    for a in axes[:4]:
+        for h, lab in zip(*a.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=3, fontsize="small")
     n = sorted(set(stats.seeds))
     fig.suptitle(
         "Routing's share of GRPO's token-ratio noise (1 − replayed / live), matched per-update KL; "
-        f"{'–'.join(map(str, n[:: max(len(n) - 1, 1)]))} seeds: mean ± sd; 48 layers: 90% intervals"
+        f"{'–'.join(map(str, n[:: max(len(n) - 1, 1)]))} seeds: mean ± sd; {TARGET_LAYERS} layers: extrapolated, "
+        "90% intervals"
     )
     return fig
 
 
-def extend(ax: Axes, fit: pd.DataFrame, depth: pd.DataFrame, color: str, off: float) -> None:
-    """The depth fit as a dashed line out to 48 layers, and the 48-layer predictions with their 90% intervals."""
+def depth_fit(ax: Axes, fit: pd.DataFrame, depth: pd.DataFrame, color: str, off: float) -> None:
+    """The depth fit (share = a + b·log2(layers)) as a dashed line over the measured depths only."""
     at = np.log2(TARGET_LAYERS)
     slope = fit[fit.target.str.startswith("slope")].estimate
+    narrow = fit[~fit.target.str.startswith("slope") & ~fit.target.str.contains("128")]
+    if len(slope) and len(narrow):
+        xs = np.log2([depth.layers.min(), depth.layers.max()])
+        ys = (narrow.iloc[0].estimate + slope.iloc[0] * (xs - at)) * 100
+        ax.plot(xs + off, ys, "--", color=color, lw=1, label="fit a + b·log2(layers)")
+
+
+def extrapolated(ax: Axes, fit: pd.DataFrame, color: str, off: float) -> None:
+    """The 48-layer predictions with their 90% intervals: hollow markers, dashed interval lines."""
     for _, row in fit[~fit.target.str.startswith("slope")].iterrows():
         wide = "128" in row.target
         err = np.array([[row.estimate - row.low_90], [row.high_90 - row.estimate]]) * 100
-        x = at + off + (0.12 if wide else 0)
-        label = f"{TARGET_LAYERS} layers, {WIDE}: 90% interval" if wide else f"{TARGET_LAYERS} layers: 90% interval"
-        ax.errorbar([x], [row.estimate * 100], err, fmt="D" if wide else "s", color=color, capsize=3,
-                    mfc="white" if wide else color, label=label)  # fmt: skip
-        if not wide and len(slope):
-            xs = np.array([np.log2(depth.layers.min()), at])
-            ax.plot(xs + off, (row.estimate + slope.iloc[0] * (xs - at)) * 100, "--", color=color, lw=1)
+        bars = ax.errorbar([int(wide) + off], [row.estimate * 100], err, fmt="D" if wide else "s", color=color,
+                           capsize=3, mfc="white", label="extrapolated, 90% interval")  # fmt: skip
+        bars[2][0].set_linestyle("--")

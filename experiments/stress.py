@@ -103,10 +103,10 @@ def _mean(runs: pd.DataFrame, column: str) -> float:
 
 def figure(frame: pd.DataFrame) -> Figure:
     """Reward (5-step running mean, mean ± sd over seeds) per setting, each arm; below, the routes moved by the last
-    minibatch."""
+    minibatch (GRPO: live vs sampled; R3/R2: live vs replayed)."""
     frame = frame.assign(smooth=running_mean(frame))
     names = list(dict.fromkeys(frame.setting))
-    fig = Figure(figsize=(3.3 * len(names), 6), layout="constrained")
+    fig = Figure(figsize=(3.4 * len(names), 6.4), layout="constrained")
     axes = fig.subplots(2, len(names), squeeze=False, sharey="row")
     for col, name in enumerate(names):
         part = frame[frame.setting == name]
@@ -116,15 +116,19 @@ def figure(frame: pd.DataFrame) -> Figure:
             y="routes_moved_since_rollout/last_minibatch",
             group="arm",
             percent=True,
-            ylabel="live routes moved since the rollout, last minibatch",
+            ylabel="routes moved, last minibatch",
             ax=axes[1, col],
-            title="routes moved (GRPO: live; R3/R2: vs the replayed)",
+            title=f"{name}: routes moved",
         )
         if col:
             for ax in axes[:, col]:
+                ax.set_ylabel("")  # (shared y-axes: the first column's label says it)
                 if ax.get_legend():
                     ax.get_legend().remove()
-    fig.suptitle(f"Leave one stressor out: GRPO, R3 and R2 ({frame.seed.nunique()} seeds, mean ± sd)")
+    fig.suptitle(
+        f"Leave one stressor out: GRPO, R3 and R2 ({frame.seed.nunique()} seeds, mean ± sd). Below: the last "
+        "minibatch's live routes moved since the rollout (GRPO: vs the sampled; R3/R2: vs the replayed)"
+    )
     return fig
 
 

@@ -146,28 +146,38 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(frame: pd.DataFrame) -> Figure:
-    """Reward over steps per setting (5-step running mean per run), GRPO with and without replay, mean ± sd over
-    seeds."""
-    frame = frame.assign(smooth=running_mean(frame))
+    """Reward over steps per setting, GRPO with and without replay, mean ± sd over seeds: step 1 (the warm start's
+    rollouts, before any update: the same for both arms) as a marker of its own, then each run's 5-step running mean
+    over steps 2.. (a running mean from step 1 would average the drop after it away)."""
+    first = frame.step.min()
+    later = frame[frame.step > first]
+    later = later.assign(smooth=running_mean(later))
     names = list(frame.setting.unique())
     cols = min(5, len(names))
     rows = -(-len(names) // cols)
-    fig = Figure(figsize=(3.2 * cols, 2.8 * rows + 0.6), layout="constrained")
+    fig = Figure(figsize=(3.2 * cols, 3.0 * rows + 0.6), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=True).flatten()
     for ax, name in zip(axes, names, strict=False):
         part = frame[frame.setting == name]
         title = TITLES.get(name, name)
-        start = part[part.step < 5].reward_mean.mean()
+        start = part[part.step == first].reward_mean.mean()
+        early = part[(part.step > first) & (part.step <= first + 4)].reward_mean.mean()
         end = part[part.step > part.step.max() * 0.8].reward_mean.mean()
-        # where each panel's reward went (both arms, first 5 steps → last 20%): a flat one learned nothing to compare
-        title += f"\nreward {start:.2f} → {end:.2f}" + (" (warm start at chance)" if start < LEARNED else "")
-        plots.over_training(part, y="smooth", group="arm", ylabel="reward", ax=ax, title=title)
-        if ax is not axes[0]:
+        # where each panel's reward went (both arms): step 1, steps 2-5, the last 20%; a flat one learned nothing
+        title += f"\nreward: step 1 {start:.2f}, 2-5 {early:.2f} → end {end:.2f}"
+        title += "\n(warm start at chance)" if start < LEARNED else ""
+        plots.over_training(later[later.setting == name], y="smooth", group="arm", ylabel="reward", ax=ax, title=title)
+        ax.title.set_fontsize("small")
+        ax.plot([first], [start], "kD", ms=5, label=f"step {first}: before any update")
+        if ax is axes[0]:
+            ax.legend(fontsize="x-small")
+        else:
             ax.get_legend().remove()
     for ax in axes[len(names) :]:
         ax.set_visible(False)
     fig.suptitle(
-        f"GRPO with and without replay, one knob at a time ({frame.seed.nunique()} seeds, 5-step mean)",
+        f"GRPO with and without replay, one knob at a time ({frame.seed.nunique()} seeds, mean ± sd; step 1 on its "
+        "own, then the 5-step mean of steps 2..)",
         fontsize="medium",
     )
     return fig

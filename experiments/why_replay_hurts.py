@@ -116,12 +116,24 @@ def summarize(frame: pd.DataFrame, stale: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(frame: pd.DataFrame, stale: pd.DataFrame) -> Figure:
-    """Held-out reward and its paired gap to R3 over training; the replay's bias, the router gradient's cosine with
-    the live one, and the loss against the minibatch index (the routes' age). Mean ± sd over seeds."""
+    """Held-out reward (with the warm start's step-1 rollout reward as a line) and its paired gap to R3 over training;
+    the replay's bias, the router gradient's cosine with the live one, and the loss against the minibatch index (the
+    routes' age). Mean ± sd over seeds."""
     fig = Figure(figsize=(15, 8), layout="constrained")
     axes = fig.subplots(2, 3).flatten()
     evals = frame.dropna(subset=[HELDOUT])
     _plot(evals, y=HELDOUT, ylabel="held-out reward (256 prompts)", ax=axes[0], title="held-out reward")
+    # the log has no held-out evaluation of the warm start (the first is at step 10): its step-1 rollouts (before any
+    # update; the same in every arm) stand in, the mean over seeds
+    first = frame[frame.step == frame.step.min()].groupby("seed").reward_mean.first()
+    axes[0].axhline(first.mean(), color="k", lw=1, ls="--")
+    axes[0].annotate(f"warm start {first.mean():.3f}: step-1 rollout reward, mean of {len(first)} seeds",
+                     (1, first.mean()), xycoords=("axes fraction", "data"), xytext=(-4, -3),
+                     textcoords="offset points", ha="right", va="top", fontsize="x-small")  # fmt: skip
+    low, high = axes[0].get_ylim()
+    axes[0].set_ylim(low - 0.25 * (high - low), max(high, first.mean()) + 0.05 * (high - low))  # (room: the legend)
+    axes[0].legend(fontsize="x-small", loc="lower left", ncol=2)
+    axes[0].set_title(f"held-out reward (first evaluation: step {evals.step.min()})")
     wide = evals.pivot_table(index=["seed", "step"], columns="arm", values=HELDOUT)
     gap = wide.sub(wide[R3], axis=0).reset_index().melt(id_vars=["seed", "step"], var_name="arm", value_name="gap")
     _plot(gap.dropna(), y="gap", ylabel="arm − R3, same seed", ax=axes[1], title="held-out reward gap to R3 (paired)")
