@@ -67,7 +67,6 @@ class RouterReplayContext:
         self._handles: list[Any] = []
         n = len(chunks)
         self._grad_forward, self._in_forward, self._forwards = [False] * n, [False] * n, [0] * n
-        self._layout: list[tuple[int, ...] | None] = [None] * n  # per chunk under CP: the forward's packed rows
         self._packed: list[PackedBounds | None] = [None] * n  # per chunk: the forward's packed boundaries, if any
         self._cp = (1, 0)  # (CP size, this rank's CP rank)
         self._active = False
@@ -87,7 +86,7 @@ class RouterReplayContext:
         self._prepare(sites)
         n = len(self.chunks)
         self._grad_forward, self._in_forward, self._forwards = [False] * n, [False] * n, [0] * n
-        self._layout, self._packed = [None] * n, [None] * n
+        self._packed = [None] * n
         self.sites = sites
         try:
             for site in sites:
@@ -142,9 +141,7 @@ class RouterReplayContext:
         def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             packed = packed_bounds((*args, *kwargs.values()))
             if self._cp[0] > 1:  # which CP layout this forward's batch was split in (checked before anything counts)
-                layout = None if packed is None else packed[1]
-                self._check_layout(chunk, layout)
-                self._layout[chunk] = layout
+                self._check_layout(chunk, None if packed is None else packed[1])
             self._packed[chunk] = packed
             self._forwards[chunk] += 1
             self._grad_forward[chunk] = torch.is_grad_enabled()

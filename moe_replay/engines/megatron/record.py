@@ -25,7 +25,6 @@ class MegatronRouteRecorder(RouterReplayContext):
 
     def _prepare(self, sites: list[Site]) -> None:
         self._done: list[list[dict[str, torch.Tensor]]] = [[] for _ in self.chunks]  # per chunk, per forward
-        self._layouts: list[list[tuple[int, ...] | None]] = [[] for _ in self.chunks]  # under CP: each forward's
         self._bounds: list[list[PackedBounds | None]] = [[] for _ in self.chunks]  # each forward's packed boundaries
         self._current: list[dict[str, torch.Tensor]] = [{} for _ in self.chunks]
 
@@ -70,7 +69,6 @@ class MegatronRouteRecorder(RouterReplayContext):
         if missing:
             raise ReplayError(f"routers {missing} did not run in this forward; recorded only {list(current)}")
         self._done[chunk].append(current)
-        self._layouts[chunk].append(self._layout[chunk])
         self._bounds[chunk].append(self._packed[chunk])
 
     @property
@@ -89,7 +87,7 @@ class MegatronRouteRecorder(RouterReplayContext):
             routes = Routes._trusted(indices, mask, layers)
             bounds = self._bounds[self.sites[0].chunk][n]
             if self._cp[0] > 1:  # this rank's part of the sequence, in the layout its batch was split in
-                routes = part_of(routes, *self._cp, self._layouts[self.sites[0].chunk][n])
+                routes = part_of(routes, *self._cp, None if bounds is None else bounds[1])
             elif bounds is not None:  # a packed row: its replay is checked against a forward of the same row
                 routes = PackedRoutes.placed(routes, cu_seqlens=bounds[0], cu_seqlens_padded=bounds[1])
             out.append(routes)
