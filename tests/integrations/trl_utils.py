@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
-from helpers import kept_pairs, near_ties  # noqa: E402
+from helpers import differ, kept_pairs, near_ties  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from moe_replay import Routes, record_routes  # noqa: E402
@@ -109,17 +109,18 @@ def sampling_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was)
 
 
+def sampled(gen: dict[str, Any], shift: int = 0) -> Routes:
+    """A generation's routes (`gen[INDICES]` [B, T, L, K] at `gen[MASK]`), moved `shift` positions right."""
+    return Routes._trusted(gen[INDICES].roll(shift, 1), gen[MASK].roll(shift, 1), gen["live_routes"].layers)
+
+
 def agreement(gen: dict[str, Any], shift: int = 0) -> float:
-    """Share of the (token, layer) expert sets a generation's routes (`gen[INDICES]` [B, T, L, K] at `gen[MASK]`,
-    optionally moved `shift` positions right) hold that equal a live forward's (`gen["live_routes"]`), the live
-    forward's near-ties left out (and, unshifted, what follows one that came out otherwise: `helpers.kept_pairs`).
-    The routes of the right rows at the right positions agree everywhere (1.0); a misaligned or foreign row disagrees
-    almost everywhere."""
-    live = gen["live_routes"]
-    a = gen[INDICES].long().sort(-1).values.roll(shift, 1)
-    recorded = gen[MASK].roll(shift, 1) & live.mask
-    differing = recorded[..., None] & (a != live.indices.long().sort(-1).values).any(-1)  # [B, T, L]
-    ties = gen["near_ties"]
+    """Share of the (token, layer) expert sets a generation's routes (optionally moved `shift` positions right) hold
+    that equal a live forward's (`gen["live_routes"]`), the live forward's near-ties left out (and, unshifted, what
+    follows one that came out otherwise: `helpers.kept_pairs`). The routes of the right rows at the right positions
+    agree everywhere (1.0); a misaligned or foreign row disagrees almost everywhere."""
+    mine, live = sampled(gen, shift), gen["live_routes"]
+    recorded, differing, ties = mine.mask & live.mask, differ(mine, live), gen["near_ties"]
     m = kept_pairs(differing, ties, recorded) if shift == 0 else recorded[..., None] & ~ties
     assert m.any(), "no (token, layer) pair left to compare"
     return float((~differing)[m].float().mean())
@@ -135,10 +136,7 @@ def swapped_a_near_tie(gen: dict[str, Any]) -> bool:
 
 def _moved(gen: dict[str, Any]) -> torch.Tensor:
     """bool [B, T]: positions both recorded where the generation's routes and the live forward's differ."""
-    live = gen["live_routes"]
-    recorded = gen[MASK] & live.mask
-    mine, theirs = gen[INDICES].long().sort(-1).values, live.indices.long().sort(-1).values
-    return (recorded[..., None] & (mine != theirs).any(-1)).any(-1)
+    return differ(sampled(gen), gen["live_routes"]).any(-1)
 
 
 def same_routes_before(gen: dict[str, Any]) -> torch.Tensor:
