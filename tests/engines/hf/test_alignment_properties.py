@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from helpers import compared_pairs, extend_mask, left_padded, near_ties, sampled, tiny_qwen3_moe
+from helpers import extend_mask, left_padded, near_ties, same_but_near_ties, sampled, tiny_qwen3_moe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,8 +28,8 @@ def batches(draw):
 def test_generate_routes_equal_teacher_forced(case):
     """The routes recorded under generate are the teacher-forced forward's expert sets at every recorded (token,
     layer) pair but its near-ties (`helpers.near_ties`: float noise between the KV-cached decode and the full forward
-    may swap those, and then what follows them: `compared_pairs`); replayed, with the pairs left out taken from that
-    forward, they give its logits bit for bit."""
+    may swap those, and then what follows them: `helpers.same_but_near_ties`); replayed, with the pairs left out taken
+    from that forward, they give its logits bit for bit."""
     B, T, pads, new, seed = case
     ids, mask = left_padded(B, T, pads, seed=seed)
     torch.manual_seed(seed)
@@ -42,10 +42,7 @@ def test_generate_routes_equal_teacher_forced(case):
     with record_routes(MODEL) as tf:
         forward = MODEL(seq, attention_mask=full.long(), output_router_logits=True)
     assert torch.equal(gen.mask & tf.routes.mask, gen.mask)
-    compared = compared_pairs(gen, tf.routes, near_ties(forward.router_logits, gen.top_k, seq.shape))
-    assert compared.any(), "no (token, layer) pair left to compare"
-    a, b = (r.indices.long().sort(-1).values for r in (gen, tf.routes))
-    assert torch.equal(a[compared], b[compared])
+    compared = same_but_near_ties(gen, tf.routes, near_ties(forward.router_logits, gen.top_k, seq.shape))
     pinned = Routes(torch.where(compared[..., None], gen.indices, tf.routes.indices), gen.mask, gen.layers)
     with replay_routes(MODEL, pinned):
         assert torch.equal(MODEL(seq, attention_mask=full.long()).logits, forward.logits)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_worker import worker
-from helpers import compared_pairs, free_port
+from helpers import free_port, same_but_near_ties
 
 
 @pytest.fixture(scope="module")
@@ -19,17 +19,15 @@ def ranks(tmp_path_factory):
 def test_synced_gpus_dummy_forwards_are_not_recorded(ranks):
     """Rank 0 finishes first and runs dummy forwards until rank 1 is done; its routes still span exactly its own
     out.sequences (on today's main `rec.routes` raised a size mismatch), and match a teacher-forced forward's expert
-    sets but at its near-ties (`helpers.near_ties`, and what follows one that came out otherwise: `compared_pairs`)."""
+    sets but at its near-ties (`helpers.near_ties`, and what follows one that came out otherwise:
+    `helpers.same_but_near_ties`)."""
     r0, r1 = (rank["synced"] for rank in ranks)
     assert r0["sequences"].shape[1] < r1["sequences"].shape[1]  # rank 0 really finished early
     assert r0["forwards"] > r0["sequences"].shape[1] - 5  # ... and kept running forwards past its last token
     for seen in (r0, r1):
         routes, tf, seq = seen["routes"], seen["teacher_forced"], seen["sequences"]
         assert routes.seq_len == seq.shape[1] and not routes.mask[:, -1].any()
-        compared = compared_pairs(routes, tf, seen["near_ties"])  # [B, T, L]
-        assert compared.any(), "no (token, layer) pair left to compare"
-        a, b = (r.indices.long().sort(-1).values for r in (routes, tf))
-        assert torch.equal(a[compared], b[compared])
+        same_but_near_ties(routes, tf, seen["near_ties"])
         assert torch.equal(seen["replayed_sequences"], seq) and seen["replayed_routes"].equal(routes)
 
 

@@ -6,7 +6,17 @@ import types
 
 import pytest
 import torch
-from helpers import PAD, compared_pairs, extend_mask, left_padded, near_ties, perturb, recorded, sampled, tiny_qwen3_moe
+from helpers import (
+    PAD,
+    extend_mask,
+    left_padded,
+    near_ties,
+    perturb,
+    recorded,
+    same_but_near_ties,
+    sampled,
+    tiny_qwen3_moe,
+)
 
 from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
 from moe_replay.engines.hf import wrapper as wrapper_module
@@ -32,19 +42,15 @@ def experts_used(model, fn):
     return seen, out
 
 
-def same_but_near_ties(routes, model, seq, mask):
+def agrees_with_teacher_forcing(routes, model, seq, mask):
     """Asserts that `routes` (recorded under generate) hold a teacher-forced forward's expert sets at every recorded
-    (token, layer) pair but that forward's near-ties (`helpers.near_ties`: float noise between the KV-cached decode
-    and the full forward may swap those, and then what follows them: `compared_pairs`), and that some pair is
-    compared."""
+    (token, layer) pair but that forward's near-ties (float noise between the KV-cached decode and the full forward
+    may swap those, and then what follows them: `helpers.same_but_near_ties`), and that some pair is compared."""
     with record_routes(model) as rec:
         logits = model(seq, attention_mask=mask, output_router_logits=True).router_logits
     tf = rec.routes
     assert torch.equal(routes.mask & tf.mask, routes.mask)
-    compared = compared_pairs(routes, tf, near_ties(logits, routes.top_k, seq.shape))  # [B, T, L]
-    assert compared.any(), "no (token, layer) pair left to compare"
-    a, b = (r.indices.long().sort(-1).values for r in (routes, tf))
-    assert torch.equal(a[compared], b[compared])
+    same_but_near_ties(routes, tf, near_ties(logits, routes.top_k, seq.shape))
 
 
 def test_generate_routes_align_with_teacher_forcing(qwen):
@@ -58,7 +64,7 @@ def test_generate_routes_align_with_teacher_forcing(qwen):
     expected = full.bool().clone()
     expected[:, -1] = False
     assert torch.equal(routes.mask, expected)
-    same_but_near_ties(routes, qwen, seq, full)
+    agrees_with_teacher_forcing(routes, qwen, seq, full)
 
 
 def test_replay_own_routes_is_bit_exact(qwen):
@@ -220,7 +226,7 @@ def test_mask_contract_holds_for_every_cache_implementation(qwen, cache):
     seq, routes = generate(qwen, ids, mask, n=4, cache_implementation=cache)
     assert torch.equal(routes.mask[:, :6], mask.bool())  # prompt padding: no route
     assert routes.mask[:, 6:-1].all() and not routes.mask[:, -1].any()  # generated tokens but the last sampled one
-    same_but_near_ties(routes, qwen, seq, extend_mask(mask, seq.shape[1]))
+    agrees_with_teacher_forcing(routes, qwen, seq, extend_mask(mask, seq.shape[1]))
 
 
 def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_again_after_it(
