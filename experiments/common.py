@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch import nn
 
 from moe_replay import expert_change, teacher_forced_routes
 from moe_replay.rl import DEFAULT_EPSILON, Rollout, Task, TrainConfig, answer_logp, build_policy, train, warm_start
+from moe_replay.rl.diagnostics import heldout_eval
 
 RESULTS = Path("experiments/results")  # the committed results: written only when asked (--out experiments/results)
 OUT = Path("runs/results")  # where a run's tables and figures go by default
@@ -189,6 +190,53 @@ def warm_started(
         warm_start(model, task, steps=steps, target_reward=0.35, seed=seed)
         model.save_pretrained(path)
     return path
+
+
+def warm_start_heldout(model: nn.Module, cfg: TrainConfig) -> float:
+    """The held-out reward per digit of `model` (a run's warm start) as the run of `cfg` would log it at step 0: its
+    sampled answers to the run's `heldout_prompts` held-out prompts, drawn with the evaluation seed of step 0.
+
+    Example:
+        >>> warm_start_heldout(initial_policy(cfg), cfg)  # doctest: +SKIP
+        0.371
+    """
+    task = Task(cfg.task, cfg.task_size)
+    prompts, answers = task.heldout(cfg.heldout_prompts, seed=cfg.seed + 10_000)
+    return heldout_eval(model, task, prompts, answers, seed=cfg.seed + 20_000)["eval/sampled/reward"]
+
+
+def replace_failed_warm_starts(
+    seeds: Sequence[int],
+    heldout_reward: Callable[[int], float],
+    *,
+    used: Collection[int] = (),
+    threshold: float = LEARNED,
+    limit: int = 20,
+) -> tuple[list[int], dict[int, float]]:
+    """Round 4's exclusion rule (experiments/round4_plan.md): each of `seeds` whose warm start ends below `threshold`
+    held-out reward per digit (`heldout_reward(seed)`, e.g. `warm_start_heldout`) is replaced by the next unused seed
+    index (after the largest of `seeds`, skipping `used` ones), itself judged the same way. Returns the seeds to run,
+    in order, and the replaced ones with their warm-start reward. More than `limit` replacements is a RuntimeError
+    (a setting whose warm starts fail is not a test).
+
+    Example:
+        >>> replace_failed_warm_starts([0, 1, 2], {0: 0.3, 1: 0.12, 2: 0.4, 3: 0.2}.get)
+        ([0, 3, 2], {1: 0.12})
+    """
+    taken = set(seeds) | set(used)
+    spare = max(seeds, default=-1) + 1
+    kept, replaced = [], {}
+    for seed in seeds:
+        while (reward := heldout_reward(seed)) < threshold:
+            replaced[seed] = reward
+            if len(replaced) > limit:
+                raise RuntimeError(f"more than {limit} warm starts below {threshold}: {replaced}")
+            while spare in taken:
+                spare += 1
+            seed = spare
+            taken.add(seed)
+        kept.append(seed)
+    return kept, replaced
 
 
 def same_weight_views(model: nn.Module, batch: Rollout, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -11,30 +11,38 @@ trainer's no-grad forward at the sampling weights, whose routes the update repla
     python experiments/decisive.py --preset quick            # 1 seed, 2 steps: a smoke test
     python experiments/decisive.py --preset full --shard 0/2  # half the runs (two shards run side by side; resumable)
     python experiments/decisive.py --preset full              # the rest, then the summary and figure
+    python experiments/decisive.py --preset gate4 [--candidate A|B|C]  # round 4's gate (round4_gate.py)
 
 Writes <out>/decisive_steps.csv, decisive_summary.csv (held-out reward, the mean of the last 3 evaluations, and its
 paired gap to GRPO: mean, standard error, seeds ahead, paired t and sign-test p; p99 |log-ratio| and clipped tokens
-in the first and last 50 steps) and decisive.png.
+in the first and last 50 steps) and decisive.png. The gate presets (gate4, gate4_quick) write <out>/<preset>.csv,
+<preset>_steps.csv and <preset>.png (round4_gate.py).
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pandas as pd
 from common import (
     CHANCE,
     ROUND3_ARMS,
+    committed,
     parse_args,
     publish,
     running_mean,
+    save_figure,
     seed_lines,
     shard_option,
     sharded_steps,
     train_log,
+    write_table,
 )
 from matplotlib.figure import Figure
 from paired_stats import paired_table
+from round4_gate import CANDIDATES, GATE_PRESETS, run_gate, verdict_line
+from round4_gate import figure as gate_figure
 
 ARMS = ROUND3_ARMS  # GRPO, GRPO + R2 and GSPO
 HELDOUT = "eval/sampled/reward"
@@ -175,8 +183,50 @@ def figure(frame: pd.DataFrame) -> Figure:
     return fig
 
 
+def options(ap: argparse.ArgumentParser) -> None:
+    """`--shard K/N` (`shard_option`) and the gate's `--candidate A|B|C` (default: A, then B, then C as they fail).
+
+    Example:
+        >>> args = parse_args(__doc__, PRESETS | GATE_PRESETS, runs=Path("runs/x"), extra=options)  # doctest: +SKIP
+    """
+    shard_option(ap)
+    ap.add_argument("--candidate", choices=list(CANDIDATES), help="gate presets: measure this candidate only")
+
+
+def gate(args: argparse.Namespace) -> None:
+    """The gate presets: measure (or with --replot, redraw from the committed CSVs), write <out>/<preset>.csv (its
+    rows for the candidates measured now replace theirs in a table already there), the steps and the figure, and
+    print the verdict.
+
+    Example:
+        >>> gate(parse_args(__doc__, GATE_PRESETS, runs=Path("runs/g"), argv=["--preset", "gate4"]))  # doctest: +SKIP
+    """
+    name = args.preset
+    if args.replot:
+        table, steps = committed(f"{name}.csv"), committed(f"{name}_steps.csv")
+    else:
+        table, steps = run_gate(name, args.runs, not args.quiet, args.candidate)
+        for new, path in ((table, args.out / f"{name}.csv"), (steps, args.out / f"{name}_steps.csv")):
+            before = pd.read_csv(path) if path.exists() else new.iloc[:0]
+            merged = pd.concat([before[~before.candidate.isin(new.candidate)], new], ignore_index=True)
+            write_table(merged.sort_values("candidate", kind="stable"), path)
+        table, steps = pd.read_csv(args.out / f"{name}.csv"), pd.read_csv(args.out / f"{name}_steps.csv")
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(verdict_line(table))
+    save_figure(gate_figure(steps), args.out / f"{name}.png", dpi=110)
+    print(f"wrote {args.out}/{name}.csv, {name}_steps.csv, {name}.png")
+
+
 def main() -> None:
-    args = parse_args(__doc__, PRESETS, runs=lambda preset: Path(f"runs/decisive_{preset}"), extra=shard_option)
+    presets = PRESETS | GATE_PRESETS
+    args = parse_args(__doc__, presets, runs=lambda preset: Path(f"runs/decisive_{preset}"), extra=options)
+    if args.preset in GATE_PRESETS:
+        if args.shard != (0, 1):
+            raise SystemExit("--shard is for the decisive runs; the gate measures one candidate at a time")
+        gate(args)
+        return
+    if args.candidate:
+        raise SystemExit("--candidate is for the gate presets (gate4, gate4_quick)")
     frame = sharded_steps(args, "decisive", run_all)
     if frame is not None:
         publish(summarize(frame), figure(frame), args.out, "decisive", dpi=110)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,16 @@ from .tasks import Task
 STEP_LOG, MINIBATCH_LOG, CHECKPOINT = "steps.csv", "minibatches.csv", "checkpoint"
 WARM_START_FILE = "warm_start.json"  # in `init`: the settings it was warm-started with
 WARM_START_SETTINGS = ("policy", "seed", "task", "task_size", "warm_start_steps", "warm_start_lr", "warm_start_target")
+# called before each minibatch update with (model, batch, minibatch j from 0, its answer indices): metrics to log
+Observer = Callable[[nn.Module, Any, int, torch.Tensor], dict[str, float]]
 
 
 class Run:
     """One training run (see `train`)."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, observe: Observer | None = None) -> None:
         self.cfg = config
+        self.observe = observe
         self.out = Path(config.output)
         self.task = Task(config.task, config.task_size)
         self.step = 0
@@ -166,6 +170,7 @@ class Run:
 
         mb_rows, flags = [], []
         for j, idx in enumerate(batch.minibatch_indices(cfg.minibatches, self.perm_gen)):
+            seen = self.observe(model, batch, j, idx) if self.observe is not None else {}
             metrics = minibatch_update(
                 model,
                 self.opt,
@@ -181,7 +186,7 @@ class Run:
                 replay=cfg.replay_max_age is None or j < cfg.replay_max_age,
                 flags=flags,
             )
-            mb = {"step": self.step + 1, "minibatch": j, **metrics}
+            mb = {"step": self.step + 1, "minibatch": j, **metrics, **seen}
             if live is not None:
                 # how far the live routing of the model this minibatch trained has moved from the sampled routes
                 mb["routes_moved_since_rollout"] = expert_change(batch.routes, live).fraction
@@ -233,16 +238,26 @@ class Run:
         tmp.rename(ckpt)
 
 
-def train(config: TrainConfig, *, resume: bool = True, progress: bool = True, stop_after: int | None = None) -> Path:
+def train(
+    config: TrainConfig,
+    *,
+    resume: bool = True,
+    progress: bool = True,
+    stop_after: int | None = None,
+    observe: Observer | None = None,
+) -> Path:
     """Run (or resume) RL training; returns the output directory holding steps.csv, minibatches.csv, checkpoint/.
 
-    `stop_after` ends the process early after that many steps of this call (to test resuming).
+    `stop_after` ends the process early after that many steps of this call (to test resuming). `observe(model,
+    batch, j, idx)`, if given, is called before each minibatch update (j from 0, `idx` its answers, the model at the
+    weights that update starts from); the metrics it returns go into that minibatch's row (and their means over the
+    minibatches that returned them into the step's). It must leave the weights and the RNG as they are.
 
     Example:
         >>> out = train(TrainConfig(steps=50, replay="rollout"))  # doctest: +SKIP
         >>> import pandas as pd; pd.read_csv(out / "steps.csv").reward_mean.tail()  # doctest: +SKIP
     """
-    run = Run(config)
+    run = Run(config, observe)
     run.setup(resume, progress)
     bar = _bar(config.steps, f"{config.importance_sampling_level}/replay={config.replay}", progress)
     bar.update(run.step)
@@ -261,6 +276,17 @@ def train(config: TrainConfig, *, resume: bool = True, progress: bool = True, st
             )
     bar.close()
     return run.out
+
+
+def initial_policy(config: TrainConfig, progress: bool = False) -> nn.Module:
+    """The policy a fresh run of `config` starts from: its warm start, loaded from `init` (default `<output>/init`),
+    made there first if missing, as `train` makes it (so that an experiment can judge a warm start before any run
+    trains from it, and the runs then reuse it).
+
+    Example:
+        >>> model = initial_policy(TrainConfig(init="runs/init_seed0", task="pair_sum", task_size=16))  # doctest: +SKIP
+    """
+    return Run(config)._initial_policy(progress)
 
 
 def evaluate(config: TrainConfig, n: int = 512) -> float:

@@ -197,3 +197,51 @@ def test_why_replay_hurts_quick_preset(tmp_path, monkeypatch):
     summary = pd.read_csv(out / "why_replay_hurts_summary.csv").set_index("arm")
     assert summary.loc["GRPO + TIS, no replay", "gap_to_r3_seeds_ahead"] in {"0/1", "1/1"}
     assert mpimg.imread(out / "why_replay_hurts.png").shape[1] > 1000
+
+
+def test_sampler_mismatch_quick_preset(tmp_path, monkeypatch):
+    out = run_quick("sampler_mismatch.py", tmp_path, monkeypatch)
+    frame = pd.read_csv(out / "sampler_mismatch.csv").set_index("sampler")
+    assert list(frame.index) == [
+        "float32", "bfloat16", "float16", "float32 + fp8_e4m3", "bfloat16 + fp8_e4m3", "bfloat16 + fp8_e5m2",
+    ]  # fmt: skip
+    assert frame.routing_mismatch.between(0, 1).all() and (frame["sampler/kl_k3"] >= 0).all()
+    # the fp32 sampler is the trainer (but for float noise); an fp8 round trip moves experts and log-probs
+    assert frame.loc["float32", "sampler/kl_k3"] < 1e-9 and frame.loc["bfloat16 + fp8_e5m2", "sampler/kl_k3"] > 1e-6
+    assert (tmp_path / "runs" / "init_L4_E16_k2_w10_seed0" / "config.json").exists()  # the warm start, cached
+
+
+def test_decisive_gate4_quick_preset(tmp_path, monkeypatch):
+    """The round-4 gate's machinery (round4_gate.py) in seconds: A, then B only if A failed, then C only if B did;
+    each figure against its threshold; --candidate measures one and replaces only its rows."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    out, runs = tmp_path / "out", tmp_path / "runs"
+
+    def gate(*extra: str) -> pd.DataFrame:
+        argv = ["decisive.py", "--preset", "gate4_quick", "--quiet", "--out", str(out), "--runs", str(runs), *extra]
+        monkeypatch.setattr(sys, "argv", argv)
+        runpy.run_path(str(ROOT / "experiments" / "decisive.py"), run_name="__main__")
+        return pd.read_csv(out / "gate4_quick.csv")
+
+    table = gate()
+    verdicts = table[table.figure == "gate"].set_index("candidate").passes
+    measured = list(verdicts.index)
+    assert measured == ["A", "B", "C"][: len(measured)] and not verdicts.iloc[:-1].any()
+    assert verdicts.iloc[-1] or measured[-1] == "C"  # the first that passes ends it
+    figures = table[table.figure != "gate"]
+    assert set(figures.figure) >= {"drift", "routing_share", "max_grad_norm", "heldout_drop", "warm_start_heldout"}
+    above = figures.value >= figures.threshold
+    assert (figures.passes == above.where(figures.rule == ">=", figures.value <= figures.threshold)).all()
+    for name, part in table.groupby("candidate"):
+        counted = part[part.in_verdict & (part.figure != "gate")]
+        assert len(counted) == 4 and part[part.figure == "gate"].passes.item() == counted.passes.all(), name
+    assert (table.seed == 900).all() and set(table.minibatches) <= {2, 4}
+    steps = pd.read_csv(out / "gate4_quick_steps.csv")
+    assert steps.groupby("candidate").measured.sum().eq(2).all() and steps.routing_share.notna().all()
+    assert_figure(out / "gate4_quick.png", 500, 800)
+    again = gate("--candidate", "B")  # (its run is done: resumed, not trained again)
+    pd.testing.assert_frame_equal(again.sort_values(["candidate", "figure"]).reset_index(drop=True),
+                                  pd.read_csv(out / "gate4_quick.csv").sort_values(["candidate", "figure"])
+                                  .reset_index(drop=True))  # fmt: skip
+    assert set(again.candidate) == set(measured) | {"B"}

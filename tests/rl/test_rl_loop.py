@@ -11,8 +11,9 @@ from rl_utils import RUN, SMALL, config, same_but_near_ties
 from moe_replay import expert_change
 from moe_replay.cli import main
 from moe_replay.rl.config import TrainConfig, load_config
-from moe_replay.rl.loop import train
+from moe_replay.rl.loop import initial_policy, train
 from moe_replay.rl.policy import build_policy, sampled_reward, warm_start
+from moe_replay.rl.step import answer_logp
 from moe_replay.rl.tasks import Task
 
 
@@ -227,3 +228,39 @@ def test_drift_on_a_device_this_machine_lacks_is_a_usage_error(init, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["drift", init, "--device", "cuda"])
     assert exit_.value.code == 2 and "has no CUDA device" in capsys.readouterr().err
+
+
+def test_an_observer_sees_each_minibatch_at_the_weights_it_trains_and_changes_nothing(tmp_path, init):
+    """`train(observe=...)` is called before each minibatch update (the log-ratio it sees is 0 on the first, the
+    rollout's weights, and not after an update), logs what it returns per minibatch and as the step's mean, and
+    leaves the run as it was."""
+    calls = []
+
+    def observe(model, batch, j, idx):  # noqa: ANN001, ANN202
+        model.eval()
+        with torch.no_grad():
+            ratio = answer_logp(model, batch.sequences[idx], batch.prompt_len) - batch.old_logp[idx]
+        calls.append((j, len(idx)))
+        return {"observed/abs_log_ratio": float(ratio.abs().max())}
+
+    seen = train(config(tmp_path / "seen", init, steps=2), progress=False, observe=observe)
+    assert calls == [(0, 8), (1, 8)] * 2  # 16 answers in 2 minibatches, 2 steps
+    mb = pd.read_csv(seen / "minibatches.csv").set_index(["step", "minibatch"])["observed/abs_log_ratio"]
+    assert (mb.xs(0, level="minibatch") < 1e-4).all() and (mb.xs(1, level="minibatch") > 1e-4).all()
+    log = steps_log(seen)
+    assert log["observed/abs_log_ratio"].tolist() == pytest.approx(mb.groupby(level="step").mean().tolist())
+    plain = steps_log(train(config(tmp_path / "plain", init, steps=2), progress=False))
+    pd.testing.assert_frame_equal(log.drop(columns=["observed/abs_log_ratio"]), plain)
+
+
+def test_initial_policy_is_the_warm_start_a_run_then_reuses(tmp_path):
+    cfg = TrainConfig(output=str(tmp_path / "run"), init=str(tmp_path / "init"), steps=1, policy=SMALL,
+                      warm_start_steps=3, **RUN)  # fmt: skip
+    model = initial_policy(cfg)
+    assert (tmp_path / "init" / "warm_start.json").exists() and not (tmp_path / "run").exists()
+    made = (tmp_path / "init" / "model.safetensors").stat().st_mtime_ns
+    train(cfg, progress=False)  # starts from it: not warm-started again
+    assert (tmp_path / "init" / "model.safetensors").stat().st_mtime_ns == made
+    again = initial_policy(cfg)
+    for a, b in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)
