@@ -35,7 +35,7 @@ def works(b: int, s: int) -> dict[str, Callable[[], None]]:
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
     from megatron_utils import batch, tiny_gpt
 
-    from moe_replay.engines.megatron import record_routes, replay_routes, routes_to_rows
+    from moe_replay.engines.megatron import record_routes, replay_routes, to_layer_rows
 
     RouterReplay.clear_global_router_replay_instances()  # (the global API drives every model built so far)
     model = tiny_gpt()
@@ -43,7 +43,7 @@ def works(b: int, s: int) -> dict[str, Callable[[], None]]:
     with torch.no_grad(), record_routes(model) as rec:
         model(tokens, pos, mask)
     routes = rec.routes
-    rows = routes_to_rows(routes)  # the peer's per-layer [s * b, K] int64 rows (sequence-major, as Megatron's)
+    rows = to_layer_rows(routes)  # the peer's per-layer [s * b, K] int64 rows (sequence-major, as Megatron's)
 
     def record() -> None:
         with torch.no_grad(), record_routes(model) as r:

@@ -1,4 +1,4 @@
-"""Routes at production size: validated `Routes.load`, the vLLM / SGLang importers, `pack_routes` and a two-turn
+"""Routes at production size: validated `Routes.load`, the vLLM / SGLang importers, `to_packed` and a two-turn
 `assemble_routes` against one
 plain pass over the same bytes (a base64 decode, a copy), side by side in one run (with A/A rows), and the importers'
 peak memory (fresh subprocesses).
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from run import child_stdout, write_rows
 
-from moe_replay import LayerInfo, Routes, Segment, assemble_routes, pack_routes
+from moe_replay import LayerInfo, Routes, Segment, assemble_routes, to_packed
 from moe_replay.integrations.sglang import routes_from_sglang
 from moe_replay.integrations.vllm import routes_from_vllm
 
@@ -158,9 +158,9 @@ def main() -> None:
         keep[::2, : routes.seq_len // 4] = False  # every other row left-padded by a quarter
         padded = Routes(routes.indices, routes.mask & keep, LAYERS)
         t_pass = best(lambda: padded.indices.clone(), reps)
-        t_pack = best(lambda: pack_routes(padded, keep), reps)
+        t_pack = best(lambda: to_packed(padded, keep), reps)
         add(
-            "pack_routes vs one memory pass (a copy of the routes)",
+            "to_packed vs one memory pass (a copy of the routes)",
             t_pack,
             t_pass,
             "s",

@@ -8,6 +8,7 @@ Example:
     ...     logits = model(out.sequences).logits
 """
 
+from . import deprecation
 from .analysis import ExpertChange, expert_change, measure_mismatch, measure_update_drift, teacher_forced_routes
 from .engines import record_routes, replay_routes
 from .engines.hf import find_routers, keep_warm
@@ -19,9 +20,7 @@ from .errors import (
     UnsupportedGenerationError,
     UnsupportedModelError,
 )
-from .routes import LayerInfo, Routes
-from .routes_packed import Packed, PackedRoutes, pack_routes, unpack_routes
-from .routes_segments import Segment, assemble_routes, fresh
+from .routes import LayerInfo, Packed, PackedRoutes, Routes, Segment, assemble_routes, fresh, from_packed, to_packed
 
 __version__ = "0.1.0"
 
@@ -43,12 +42,21 @@ __all__ = [
     "expert_change",
     "find_routers",
     "fresh",
+    "from_packed",
     "keep_warm",
     "measure_mismatch",
     "measure_update_drift",
-    "pack_routes",
     "record_routes",
     "replay_routes",
     "teacher_forced_routes",
-    "unpack_routes",
+    "to_packed",
 ]
+
+# deprecated names, one release: each read warns and names its new place
+__getattr__ = deprecation.moved(
+    __name__,
+    renamed={
+        "pack_routes": "moe_replay.routes.packed.to_packed",
+        "unpack_routes": "moe_replay.routes.packed.from_packed",
+    },
+)

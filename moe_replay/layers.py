@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from .errors import ReplayError
 from .routes import LayerInfo
-from .routes_rows import decoder_index
+from .routes.rows import decoder_index
 
 # Path segments that wrappers insert without changing the model: torch's checkpoint_wrapper, FSDP1, torch.compile.
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")

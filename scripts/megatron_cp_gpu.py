@@ -32,7 +32,7 @@ def te_split(results: list[bool]) -> None:
     """Transformer Engine's thd_get_partitioned_indices against thd_cp_positions."""
     import transformer_engine_torch as tex
 
-    from moe_replay.engines.megatron import thd_cp_positions
+    from moe_replay.routes import thd_cp_positions
 
     for cp in (1, 2, 4):
         for docs in ((8,), (16, 8, 24), (64, 8, 8, 32)):
@@ -112,7 +112,7 @@ def forced(model: torch.nn.Module, run: object, routes: object) -> float:
 
 def one_gpu(results: list[bool], out: Path) -> None:
     """CP = 1: packed vs padded with TE attention; the reference for the CP run."""
-    from moe_replay import Routes, pack_routes
+    from moe_replay import Routes, to_packed
     from moe_replay.engines.megatron import record_routes
 
     d, model = data(), build(1)
@@ -122,7 +122,7 @@ def one_gpu(results: list[bool], out: Path) -> None:
     padded = Routes(padded.indices, padded.mask & d["keep"], padded.layers)
     with torch.no_grad(), record_routes(model) as rec:
         model(d["row"], d["row_positions"], None, packed_seq_params=d["params"])
-    packed = pack_routes(padded, d["keep"].long(), multiple=MULTIPLE)
+    packed = to_packed(padded, d["keep"].long(), multiple=MULTIPLE)
     on_row = rec.routes.to("cpu")
     same = (
         on_row.indices[0, packed.routes.mask[0]].sort(-1).values
@@ -135,7 +135,7 @@ def one_gpu(results: list[bool], out: Path) -> None:
     )
     report(
         results,
-        "replay of pack_routes(padded) on the THD row forces every recorded entry",
+        "replay of to_packed(padded) on the THD row forces every recorded entry",
         share == 1.0,
         f"{share:.4f}",
     )
@@ -146,7 +146,8 @@ def cp_run(results: list[bool], out: Path, cp: int) -> None:
     """CP = world size: per sequence and per document, against OUT/reference.pt."""
     from megatron.core import parallel_state as ps
 
-    from moe_replay.engines.megatron import cp_positions, record_routes, routes_from_cp, routes_to_cp, thd_cp_positions
+    from moe_replay.engines.megatron import record_routes
+    from moe_replay.routes import cp_positions, from_cp, thd_cp_positions, to_cp
 
     ref = torch.load(out / "reference.pt", weights_only=False)
     d, model, rank = data(), build(cp), ps.get_context_parallel_rank()
@@ -163,10 +164,10 @@ def cp_run(results: list[bool], out: Path, cp: int) -> None:
             forward(at)
         parts = [None] * cp
         torch.distributed.all_gather_object(parts, rec.routes.to("cpu"))
-        joined, mask = routes_from_cp(parts), whole.mask
+        joined, mask = from_cp(parts), whole.mask
         same = (joined.indices[mask].sort(-1).values == whole.indices[mask].sort(-1).values).all(-1).float().mean()
         report(results, f"CP={cp} {name}: recorded parts join into the CP=1 routes", bool(same > 0.95), f"{same:.4f}")
-        share = forced(model, functools.partial(forward, at), routes_to_cp(whole, cp, rank, cu_seqlens_padded=layout))
+        share = forced(model, functools.partial(forward, at), to_cp(whole, cp, rank, cu_seqlens_padded=layout))
         report(results, f"CP={cp} {name}: replay forces the CP=1 routes on rank {rank}", share == 1.0, f"{share:.4f}")
 
 

@@ -10,8 +10,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..routes import Routes
-from ..routes_packed import Packed, PackedRoutes
+from ..routes import Packed, PackedRoutes, Routes
 from . import hf, megatron
 from .hf.warm import is_warm
 from .packed import PackedReplayer
@@ -42,7 +41,7 @@ def replay_routes(
     the recompute of the backward), with router weights and gradients computed live. Dispatches like
     `record_routes`; a list of `Routes` (one per micro-batch forward), and a list of modules (a pipeline rank's
     virtual-pipeline chunks), are for megatron-core models. `track_live` also counts how many replayed experts live
-    routing would have changed (`ctx.live_moved()`). A packed row's routes (`pack_routes(...)` or its `.routes`)
+    routing would have changed (`ctx.live_moved()`). A packed row's routes (`to_packed(...)` or its `.routes`)
     replay only on forwards that run the row as those packed sequences (transformers: restarting `position_ids`, no
     attention mask, no cache; megatron-core: `PackedSeqParams` of the same boundaries), refusing any other before it
     runs.
@@ -51,7 +50,7 @@ def replay_routes(
         >>> with replay_routes(model, routes):  # doctest: +SKIP
         ...     loss = loss_fn(model(sequences).logits)
         ...     loss.backward()
-        >>> with replay_routes(model, pack_routes(routes, attention_mask)):  # doctest: +SKIP
+        >>> with replay_routes(model, to_packed(routes, attention_mask)):  # doctest: +SKIP
         ...     model(row, position_ids=restarting, use_cache=False)
     """
     if isinstance(routes, Packed):  # (a tuple: before the list-of-Routes case)

@@ -1,4 +1,4 @@
-"""`replay_routes(model, packed)`: a packed row's routes (`pack_routes`), replayed only on a forward that runs the row
+"""`replay_routes(model, packed)`: a packed row's routes (`to_packed`), replayed only on a forward that runs the row
 as packed sequences, so that no sequence's tokens attend to another's.
 
 Hugging Face transformers (5.x) treats a row as packed sequences only when the forward gets `position_ids` that
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import ReplayError
-from ..routes_packed import PackedRoutes
+from ..routes.packed import PackedRoutes
 from .packed_families import VERIFIED, packed_families
 
 CACHES = ("cache", "past_key_values", "cache_params")  # what transformers' forwards call a KV (or state) cache

@@ -1,6 +1,6 @@
 """The Hugging Face transformers model families whose packed forward (sequences concatenated in one row, position_ids
 restarting per sequence, no attention mask, no cache) runs every sequence on its own, so that `replay_routes` of
-`pack_routes(...)` gives the padded batch's log-probs. Elsewhere state flows along the row (state-space, linear or
+`to_packed(...)` gives the padded batch's log-probs. Elsewhere state flows along the row (state-space, linear or
 compressed attention, short convolutions), or the masks ignore the restarting position_ids (gpt_oss, afmoe), or a
 sparse-attention indexer's top-k breaks its ties differently on a row of another length (deepseek_v32, glm_moe_dsa,
 axk2, dots3_note, hy_v4): the packed log-probs then differ silently, and packed routes are refused.

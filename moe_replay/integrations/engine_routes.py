@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..routes import IndexLike, Routes
-from ..routes_index import batch_index
+from ..routes.index import batch_index
 
 Tokens = tuple[int, ...] | None  # a row's prompt + completion token ids, or None where the engine gave only counts
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..routes import LayerInfo, Routes
 from .payload import routes_array, shown, token_count, whole
-from .rollout import batch_length, check_columns, check_row_length, decoder_layers, layers_of, rows_to_routes
+from .rollout import batch_length, check_columns, check_row_length, decoder_layers, from_engine_rows, layers_of
 
 NONE = (
     "holds no routing_indices: megatron-core rebuilds them only for a request that was neither evicted nor resumed, "
@@ -73,7 +73,7 @@ def routes_from_megatron_inference(
             names.append(f"{where}, {field}")
             lengths.append(prompt + generated)
     T = batch_length(lengths, pad_left) if seq_len is None else seq_len
-    return rows_to_routes("megatron-core inference", rows, names, layers, pad_left=pad_left, seq_len=T)
+    return from_engine_rows("megatron-core inference", rows, names, layers, pad_left=pad_left, seq_len=T)
 
 
 def _entries(request: Any, r: int) -> list[tuple[str, int, int, Any, str]]:

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..deprecation import moved
 from ..routes import LayerInfo, Routes
-from ..routes_index import is_integer_scalar
-from ..routes_rows import engine_columns, pad_offsets
+from ..routes.index import is_integer_scalar
+from ..routes.rows import engine_columns, pad_offsets
 
 ROW = re.compile(r"^row (\d+)\b|\bsequence (\d+)\b")  # how `Routes.from_rows` names the row it refuses
 
@@ -140,7 +141,7 @@ def batch_length(lengths: Sequence[int], pad_left: Sequence[int] | torch.Tensor 
     return max((p + n for p, n in zip(pads, lengths, strict=True)), default=0)
 
 
-def rows_to_routes(
+def from_engine_rows(
     engine: str,
     rows: Sequence[np.ndarray],
     names: Sequence[str],
@@ -152,7 +153,7 @@ def rows_to_routes(
     (each must map the layers, and all agree), and a refusal of row i or sequence i is prefixed with `names[i]`.
 
     Example:
-        >>> rows_to_routes("vLLM", [np.array([[[0, 1]]])], ["vLLM output 0"], [LayerInfo("l0", 4, 2)]).batch_size
+        >>> from_engine_rows("vLLM", [np.array([[[0, 1]]])], ["vLLM output 0"], [LayerInfo("l0", 4, 2)]).batch_size
         1
     """
     first: dict[int, str] = {}  # column count -> the first row's name with it
@@ -173,3 +174,7 @@ def rows_to_routes(
         found = ROW.search(str(e))
         i = None if found is None else int(found.group(1) or found.group(2))
         raise ValueError(f"{names[i] if i is not None and i < len(names) else engine}: {e}") from e
+
+
+# deprecated names, one release: each read warns and names its new place
+__getattr__ = moved(__name__, renamed={"rows_to_routes": "moe_replay.integrations.rollout.from_engine_rows"})

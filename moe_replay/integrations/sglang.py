@@ -31,15 +31,15 @@ import torch
 from torch import nn
 
 from ..routes import LayerInfo, Routes
-from ..routes_rows import pad_offsets
+from ..routes.rows import pad_offsets
 from .payload import base64_bytes, mapping, shown, whole
 from .rollout import (
     batch_length,
     check_columns,
     check_row_length,
     decoder_layers,
+    from_engine_rows,
     layers_of,
-    rows_to_routes,
     start_offsets,
 )
 
@@ -97,7 +97,7 @@ def routes_from_sglang(
     T = batch_length([tokens for *_, tokens in decoded], pads) if seq_len is None else seq_len
     starts = [p + start for p, (_, start, _, _) in zip(pads, decoded, strict=True)]
     rows, names = [row for row, *_ in decoded], [name for _, _, name, _ in decoded]
-    return rows_to_routes("SGLang", rows, names, layers, pad_left=starts, seq_len=T)
+    return from_engine_rows("SGLang", rows, names, layers, pad_left=starts, seq_len=T)
 
 
 def _entries(resp: Any, i: int) -> list[tuple[str, Mapping, Mapping, str, Any, str]]:

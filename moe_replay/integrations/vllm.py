@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from ..routes import LayerInfo, Routes
-from ..routes_index import is_integer_scalar
-from ..routes_rows import pad_offsets
+from ..routes.index import is_integer_scalar
+from ..routes.rows import pad_offsets
 from .engine_routes import EngineRoutes, Tokens
 from .payload import mapping, routes_array, shown, token_count, whole
 from .rollout import (
@@ -47,8 +47,8 @@ from .rollout import (
     check_columns,
     check_row_length,
     decoder_layers,
+    from_engine_rows,
     layers_of,
-    rows_to_routes,
     start_offsets,
 )
 
@@ -107,7 +107,7 @@ def routes_from_vllm(
     pads = pad_offsets(pad_left, len(rows))
     T = batch_length(lengths, pads) if seq_len is None else seq_len
     starts = [p + s for p, s in zip(pads, placed, strict=True)]
-    routes = rows_to_routes("vLLM", rows, names, layers, pad_left=starts, seq_len=T, zeros_empty=empties)
+    routes = from_engine_rows("vLLM", rows, names, layers, pad_left=starts, seq_len=T, zeros_empty=empties)
     return EngineRoutes.of(routes, ids)
 
 

@@ -9,11 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moe_replay import LayerInfo, Routes, assemble_routes, pack_routes, unpack_routes
-from moe_replay.routes_segments import Segment
-
-pytest.importorskip("megatron.core", reason="routes_to_cp lives in the megatron engine (the [megatron] extra)")
-from moe_replay.engines.megatron import routes_from_cp, routes_to_cp  # noqa: E402
+from moe_replay.routes import LayerInfo, Routes, Segment, assemble_routes, from_cp, from_packed, to_cp, to_packed
 
 E, K = 8, 2
 BOUNDED = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -54,11 +50,11 @@ def padding_position(keep: torch.Tensor) -> tuple[int, int] | None:
 @given(batches(), st.integers(1, 4))
 def test_pack_then_unpack_gives_every_recorded_position_back(batch, multiple):
     routes, keep = batch
-    packed = pack_routes(routes, keep, multiple=multiple)
+    packed = to_packed(routes, keep, multiple=multiple)
     assert int(packed.routes.mask.sum()) == int(routes.mask.sum())
-    back = unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+    back = from_packed(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
     assert back.equal(routes) and torch.equal(back.version, routes.version)
-    assert unpack_routes(packed.routes, packed.cu_seqlens, keep).equal(routes)  # (its own boundaries by default)
+    assert from_packed(packed.routes, packed.cu_seqlens, keep).equal(routes)  # (its own boundaries by default)
 
 
 @BOUNDED
@@ -70,37 +66,37 @@ def test_packing_refuses_what_contradicts_itself(batch, multiple):
         mask = routes.mask.clone()
         mask[at] = True
         with pytest.raises(ValueError, match="which its attention_mask marks padding"):
-            pack_routes(Routes(routes.indices, mask, routes.layers), keep, multiple=multiple)
-    packed = pack_routes(routes, keep, multiple=multiple)
+            to_packed(Routes(routes.indices, mask, routes.layers), keep, multiple=multiple)
+    packed = to_packed(routes, keep, multiple=multiple)
     if not torch.equal(packed.cu_seqlens, packed.cu_seqlens_padded):  # the other boundaries: never read early
         with pytest.raises(ValueError, match="was given for packed sequences starting at"):
-            unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens)
+            from_packed(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens)
     if keep.sum(1).max() < keep.shape[1]:  # a mask whose rows keep other lengths than the packed sequences'
         longer = keep.clone()
         row = int(keep.sum(1).argmax())
         longer[row] = 1
         with pytest.raises(ValueError, match=f"sequence {row}: cu_seqlens give"):
-            unpack_routes(packed.routes, packed.cu_seqlens, longer)
+            from_packed(packed.routes, packed.cu_seqlens, longer)
 
 
 @BOUNDED
 @given(batches(), st.integers(1, 3))
 def test_cp_split_then_join_gives_every_recorded_position_back(batch, cp_size):
     routes, keep = batch
-    parts = [routes_to_cp(routes, cp_size, r) for r in range(cp_size)]
-    assert routes_from_cp(parts, seq_len=routes.seq_len).equal(routes)
-    packed = pack_routes(routes, keep, multiple=2 * cp_size).routes  # per document, the row's own boundaries
-    parts = [routes_to_cp(packed, cp_size, r) for r in range(cp_size)]
-    whole = routes_from_cp(parts)
+    parts = [to_cp(routes, cp_size, r) for r in range(cp_size)]
+    assert from_cp(parts, seq_len=routes.seq_len).equal(routes)
+    packed = to_packed(routes, keep, multiple=2 * cp_size).routes  # per document, the row's own boundaries
+    parts = [to_cp(packed, cp_size, r) for r in range(cp_size)]
+    whole = from_cp(parts)
     assert whole.equal(packed) and torch.equal(whole.version, packed.version)
     if cp_size > 1:  # parts out of rank order, or another row's boundaries: refused
         with pytest.raises(ValueError, match="pass every rank's part, in rank order"):
-            routes_from_cp(parts[::-1])
+            from_cp(parts[::-1])
         other = list(packed.cu_seqlens_padded)
         if len(other) > 2 and other[1] + 2 * cp_size <= other[2]:
             other[1] += 2 * cp_size
             with pytest.raises(ValueError, match="cu_seqlens_padded=.* was given for"):
-                routes_to_cp(packed, cp_size, 0, cu_seqlens_padded=other)
+                to_cp(packed, cp_size, 0, cu_seqlens_padded=other)
 
 
 @st.composite

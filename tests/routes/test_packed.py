@@ -1,4 +1,4 @@
-"""Packed (THD) routes: `pack_routes` / `unpack_routes` round trips for left and right padding and per-sequence
+"""Packed (THD) routes: `to_packed` / `from_packed` round trips for left and right padding and per-sequence
 padding multiples, the boundaries Megatron's PackedSeqParams take, and errors naming both sides."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_replay import LayerInfo, Routes
-from moe_replay.routes_packed import pack_routes, unpack_routes
+from moe_replay.routes import from_packed, to_packed
 
 LAYERS = [LayerInfo(f"decoder.layers.{i}.mlp.router", 8, 2) for i in range(3)]
 
@@ -30,7 +30,7 @@ def batch(lengths: list[int], T: int, left: bool, seed: int = 0) -> tuple[Routes
 @pytest.mark.parametrize("multiple", [1, 4])
 def test_pack_then_unpack_gives_the_batch_back(left, multiple):
     routes, keep = batch([5, 8, 1, 0, 3], T=8, left=left)
-    packed = pack_routes(routes, keep, multiple=multiple)
+    packed = to_packed(routes, keep, multiple=multiple)
     lengths = keep.sum(1)
     assert packed.cu_seqlens.tolist() == [0, *lengths.cumsum(0).tolist()]
     padded = -(-lengths // multiple) * multiple
@@ -43,60 +43,60 @@ def test_pack_then_unpack_gives_the_batch_back(left, multiple):
         assert torch.equal(got, routes.indices[i][keep[i].bool()])
         assert torch.equal(packed.routes.mask[0, start : start + int(lengths[i])], routes.mask[i][keep[i].bool()])
         assert not packed.routes.mask[0, start + int(lengths[i]) : int(packed.cu_seqlens_padded[i + 1])].any()
-    back = unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+    back = from_packed(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
     assert back.equal(routes)
 
 
 def test_unpack_drops_routes_recorded_in_the_padding_between_sequences():
     routes, keep = batch([3, 2], T=4, left=False)
-    packed = pack_routes(routes, keep, multiple=4)
+    packed = to_packed(routes, keep, multiple=4)
     indices = packed.routes.indices.clone()
     indices[~packed.routes.mask] = torch.tensor([0, 1], dtype=indices.dtype)  # valid ids where padding tokens ran
     recorded_everywhere = Routes(indices, torch.ones_like(packed.routes.mask), LAYERS)
-    back = unpack_routes(recorded_everywhere, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+    back = from_packed(recorded_everywhere, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
     assert torch.equal(back.mask, keep.bool())  # (a recording on the packed row routes its padding tokens too)
 
 
 def test_packing_errors_name_both_sides():
     routes, keep = batch([3, 4], T=4, left=False)
     with pytest.raises(ValueError, match="attention_mask is \\(2, 5\\) but the routes are B=2, T=4"):
-        pack_routes(routes, torch.ones(2, 5, dtype=torch.long))
+        to_packed(routes, torch.ones(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="0/1 integers or bools, got torch.float32"):
-        pack_routes(routes, keep.float())
+        to_packed(routes, keep.float())
     with pytest.raises(ValueError, match="only 0 and 1"):
-        pack_routes(routes, keep * 2)
+        to_packed(routes, keep * 2)
     with pytest.raises(ValueError, match="multiple must be a whole number >= 1, got 0"):
-        pack_routes(routes, keep, multiple=0)
+        to_packed(routes, keep, multiple=0)
     shifted = keep.roll(1, dims=1)
     with pytest.raises(ValueError, match="sequence 0 has a route recorded at position 0, which its attention_mask"):
-        pack_routes(routes, shifted)
-    packed = pack_routes(routes, keep, multiple=4)
+        to_packed(routes, shifted)
+    packed = to_packed(routes, keep, multiple=4)
     row = Routes(packed.routes.indices, packed.routes.mask, LAYERS)  # a plain row: the boundaries come from the caller
     with pytest.raises(ValueError, match="sequence 0: cu_seqlens give 4 tokens but its attention_mask row keeps 3"):
-        unpack_routes(row, torch.tensor([0, 4, 7]), keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+        from_packed(row, torch.tensor([0, 4, 7]), keep, cu_seqlens_padded=packed.cu_seqlens_padded)
     with pytest.raises(ValueError, match="cu_seqlens has 2 entries but 2 sequences need 3"):
-        unpack_routes(row, torch.tensor([0, 7]), keep)
+        from_packed(row, torch.tensor([0, 7]), keep)
     with pytest.raises(ValueError, match="must start at 0 and never decrease, got \\[1, 4, 8\\]"):
-        unpack_routes(row, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([1, 4, 8]))
+        from_packed(row, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([1, 4, 8]))
     with pytest.raises(ValueError, match="do not hold the sequences' lengths \\[3, 4\\] within the packed row of N=8"):
-        unpack_routes(row, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([0, 4, 9]))
+        from_packed(row, packed.cu_seqlens, keep, cu_seqlens_padded=torch.tensor([0, 4, 9]))
     with pytest.raises(ValueError, match="1-D integer tensor, got torch.float32"):
-        unpack_routes(packed.routes, packed.cu_seqlens.float(), keep)
+        from_packed(packed.routes, packed.cu_seqlens.float(), keep)
     with pytest.raises(ValueError, match="packed Routes of one row \\(B=1\\), got B=2"):
-        unpack_routes(routes, packed.cu_seqlens, keep)
+        from_packed(routes, packed.cu_seqlens, keep)
 
 
 def test_unpack_refuses_boundaries_that_contradict_the_packed_routes_own():
     """`cu_seqlens` passed for `cu_seqlens_padded` after `multiple=4` (found by review: every later sequence was read
-    one or more positions early, no error); `routes_to_cp` refuses the same contradiction."""
+    one or more positions early, no error); `to_cp` refuses the same contradiction."""
     routes, keep = batch([3, 5, 2], T=6, left=False)
-    packed = pack_routes(routes, keep, multiple=4)
+    packed = to_packed(routes, keep, multiple=4)
     assert packed.cu_seqlens.tolist() != packed.cu_seqlens_padded.tolist()
     with pytest.raises(ValueError, match=r"cu_seqlens_padded=\[0, 3, 8, 10\] was given for packed sequences starting "
                        r"at \[0, 4, 12\], whose cu_seqlens_padded are \[0, 4, 12, 16\]"):  # fmt: skip
-        unpack_routes(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens)
+        from_packed(packed.routes, packed.cu_seqlens, keep, cu_seqlens_padded=packed.cu_seqlens)
     with pytest.raises(ValueError, match=r"cu_seqlens=\[0, 4, 12, 16\] was given .* whose cu_seqlens are \[0, 3, 8"):
-        unpack_routes(packed.routes, packed.cu_seqlens_padded, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
+        from_packed(packed.routes, packed.cu_seqlens_padded, keep, cu_seqlens_padded=packed.cu_seqlens_padded)
     # the routes' own boundaries, given or not, read every recorded position back
     for given in ({}, {"cu_seqlens_padded": packed.cu_seqlens_padded}):
-        assert unpack_routes(packed.routes, packed.cu_seqlens, keep, **given).equal(routes)
+        assert from_packed(packed.routes, packed.cu_seqlens, keep, **given).equal(routes)

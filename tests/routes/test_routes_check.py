@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_replay import routes_check
+import moe_replay.routes.check as routes_check
 from moe_replay.routes import LayerInfo
-from moe_replay.routes_check import check_ids
+from moe_replay.routes.check import check_ids
 
 
 def distinct(B: int, T: int, L: int, K: int, E: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -10,8 +10,7 @@ import torch
 from helpers import PAD, kv, near_ties, same_but_near_ties, tiny_qwen3_moe
 
 from moe_replay import Routes, record_routes, replay_routes
-from moe_replay.routes_packed import pack_routes, unpack_routes
-from moe_replay.routes_segments import Segment, assemble_routes, fresh
+from moe_replay.routes import Segment, assemble_routes, fresh, from_packed, to_packed
 
 
 def _left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,9 +240,9 @@ def test_nothing_recorded_is_lost_through_files_packing_and_selection(tmp_path):
     loaded = Routes.load(tmp_path / "r.safetensors")
     assert loaded.equal(routes) and torch.equal(loaded.version, routes.version)
     assert Routes.load(tmp_path / "r.safetensors", validate=False).equal(routes)
-    packed = pack_routes(routes, mask, multiple=4)
+    packed = to_packed(routes, mask, multiple=4)
     assert packed.routes.version is not None
-    back = unpack_routes(packed.routes, packed.cu_seqlens, mask, cu_seqlens_padded=packed.cu_seqlens_padded)
+    back = from_packed(packed.routes, packed.cu_seqlens, mask, cu_seqlens_padded=packed.cu_seqlens_padded)
     assert back.equal(routes)
     aged = fresh(packed.routes, current=3, max_age=0)  # packed routes keep their place through the age bound
     assert type(aged) is type(packed.routes) and aged.place().keys() == packed.routes.place().keys()

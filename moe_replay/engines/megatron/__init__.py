@@ -1,6 +1,7 @@
 """`record_routes` / `replay_routes` on megatron-core MoE models, through megatron-core's own `RouterReplay`.
 
-megatron-core is imported lazily (the `megatron` extra); docs/megatron.md describes what is covered and refused.
+megatron-core is imported lazily (the `megatron` extra); docs/megatron.md describes what is covered and refused. The
+context-parallel layouts (`CPRoutes`, `to_cp`, `from_cp`) live in `moe_replay.routes`.
 
 Example:
     >>> from moe_replay.engines.megatron import record_routes, replay_routes  # doctest: +SKIP
@@ -10,28 +11,37 @@ Example:
     ...     gpt_model(tokens, position_ids, attention_mask, labels=labels).mean().backward()
 """
 
+from ...deprecation import moved
 from .context import is_megatron_model
-from .cp import CPRoutes, cp_positions, routes_from_cp, routes_to_cp, thd_cp_positions
 from .pipeline import gather_pipeline_routes
 from .record import MegatronRouteRecorder, record_routes
 from .replay import MegatronRouteReplayer, replay_routes
 from .routers import INSTALL_HINT, find_routers
-from .rows import routes_to_rows, rows_to_routes
+from .rows import from_layer_rows, to_layer_rows
 
 __all__ = [
-    "CPRoutes",
     "INSTALL_HINT",
     "MegatronRouteRecorder",
     "MegatronRouteReplayer",
-    "cp_positions",
     "find_routers",
+    "from_layer_rows",
     "gather_pipeline_routes",
     "is_megatron_model",
     "record_routes",
     "replay_routes",
-    "routes_from_cp",
-    "routes_to_cp",
-    "routes_to_rows",
-    "rows_to_routes",
-    "thd_cp_positions",
+    "to_layer_rows",
 ]
+
+# deprecated names, one release: each read warns and names its new place
+__getattr__ = moved(
+    __name__,
+    renamed={
+        "CPRoutes": "moe_replay.routes.cp.CPRoutes",
+        "cp_positions": "moe_replay.routes.cp.cp_positions",
+        "thd_cp_positions": "moe_replay.routes.cp.thd_cp_positions",
+        "routes_to_cp": "moe_replay.routes.cp.to_cp",
+        "routes_from_cp": "moe_replay.routes.cp.from_cp",
+        "rows_to_routes": "moe_replay.engines.megatron.rows.from_layer_rows",
+        "routes_to_rows": "moe_replay.engines.megatron.rows.to_layer_rows",
+    },
+)

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from ...errors import NestedContextError, ReplayError
-from .cp import cp_place
 from .routers import Site, find_routers, megatron_api
 
 _ACTIVE = "_moe_replay_megatron_context"
@@ -237,3 +236,17 @@ def tp_split(site: Site) -> tuple[Any, int, int]:
     if group is None or not getattr(site.router.config, "sequence_parallel", False) or group.size() == 1:
         return None, 1, 0
     return group, group.size(), group.rank()
+
+
+def cp_place(router: Any) -> tuple[int, int]:
+    """(CP size, this rank's CP rank) of a megatron-core router (its `cp_group`), (1, 0) without CP.
+
+    Example:
+        >>> cp_place(gpt_model.decoder.layers[0].mlp.router)  # doctest: +SKIP
+        (2, 1)
+    """
+    size = getattr(router.config, "context_parallel_size", 1) or 1
+    group = getattr(router, "cp_group", None)
+    if size == 1 or group is None:
+        return 1, 0
+    return group.size(), group.rank()

@@ -1,7 +1,7 @@
 """`record_routes` on megatron-core models: every router runs its own top-k under RECORD; after each forward the rows
 become one `Routes` batch [B, T, L, K]. With sequence parallelism each tensor-parallel rank routes a slice of the
 sequence; the slices are gathered so every rank holds the whole batch. Under context parallelism each rank records
-its own part of the sequence, as a `CPRoutes` that knows its place (`routes_from_cp` joins the ranks' parts).
+its own part of the sequence, as a `CPRoutes` that knows its place (`from_cp` joins the ranks' parts).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from torch import nn
 
 from ...errors import ReplayError
 from ...routes import Routes, index_dtype
-from ...routes_packed import PackedRoutes
+from ...routes.cp import part_of
+from ...routes.packed import PackedRoutes
 from ..autograd import in_backward
 from .context import PackedBounds, RouterReplayContext, Site, tp_split
-from .cp import part_of
 
 
 class MegatronRouteRecorder(RouterReplayContext):
@@ -125,7 +125,7 @@ def record_routes(model: nn.Module | Sequence[nn.Module]) -> MegatronRouteRecord
     parallelism pass a stage's model (or its list of virtual-pipeline chunks): the routes hold that stage's layers,
     named by their global layer number, one `Routes` per micro-batch; `gather_pipeline_routes` joins the stages.
     Under context parallelism each rank records its part of the sequence as a `CPRoutes` (per sequence, or per
-    document for a packed batch given `PackedSeqParams`); `routes_from_cp` joins the ranks' parts.
+    document for a packed batch given `PackedSeqParams`); `from_cp` joins the ranks' parts.
 
     Example:
         >>> with record_routes(gpt_model) as rec:  # doctest: +SKIP

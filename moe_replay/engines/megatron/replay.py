@@ -4,7 +4,7 @@ Activation recompute runs the first forward of a checkpointed block without grad
 calls queue their rows with a fingerprint of the router input, and when the backward re-runs them they switch to
 REPLAY_BACKWARD and take the rows of the forward whose input the recompute reproduces, in any backward order.
 Positions the routes mark as not recorded (padding) route live. Under context parallelism each rank replays its own
-part of the routes (`routes_to_cp`), checked against the rank and against the layout its batch was split in.
+part of the routes (`moe_replay.routes.to_cp`), checked against the rank and against the layout its batch was split in.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from torch import nn
 from ...errors import ReplayError
 from ...layers import match_layers
 from ...routes import Routes
+from ...routes.cp import CPRoutes
 from ..autograd import checkpoint_chain, in_backward, recomputing
 from ..fingerprint import fingerprint
 from ..recompute_queue import Pending
 from .context import RouterReplayContext, Site, tp_split
-from .cp import CPRoutes
 from .pipeline import stage_columns
 from .routers import is_mtp, pipelined
-from .rows import routes_to_rows
+from .rows import to_layer_rows
 
 
 class MegatronRouteReplayer(RouterReplayContext):
@@ -72,7 +72,7 @@ class MegatronRouteReplayer(RouterReplayContext):
             else:
                 columns = match_layers([s.name for s in replayed], r.layers, self._owner(), shapes)
             T, B = r.seq_len, r.batch_size
-            rows = routes_to_rows(r)  # unrecorded positions get valid ids (they route live anyway)
+            rows = to_layer_rows(r)  # unrecorded positions get valid ids (they route live anyway)
             self._rows.append({s.name: rows[columns[s.name]].reshape(T, B, -1) for s in replayed})
             self._columns.append(columns)
             self._masks.append(r.mask.transpose(0, 1))
@@ -87,8 +87,8 @@ class MegatronRouteReplayer(RouterReplayContext):
         if size > 1 and not placed:
             raise ReplayError(
                 f"the model runs context parallel (this is CP rank {rank} of {size}) but the routes{which} are not a "
-                f"CP part: pass routes_to_cp(routes, cp_size={size}, cp_rank={rank}) (with cu_seqlens_padded= for a "
-                "packed batch), as megatron-core's get_batch_on_this_cp_rank splits the batch"
+                f"CP part: pass moe_replay.routes.to_cp(routes, cp_size={size}, cp_rank={rank}) (with "
+                "cu_seqlens_padded= for a packed batch), as megatron-core's get_batch_on_this_cp_rank splits the batch"
             )
         if placed and (routes.cp_size, routes.cp_rank) != (size, rank):
             raise ReplayError(f"the routes{which} are {routes.where()} but this is CP rank {rank} of {size}")
@@ -106,7 +106,7 @@ class MegatronRouteReplayer(RouterReplayContext):
 
             raise ReplayError(
                 f"forward {n + 1} got {words(layout)} but its routes were split for {words(self._layouts[n])}: split "
-                "them with routes_to_cp as the batch was split"
+                "them with moe_replay.routes.to_cp as the batch was split"
             )
 
     def _call_rows(self, site: Site, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

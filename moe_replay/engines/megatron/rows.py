@@ -1,8 +1,9 @@
-"""Megatron's top-k rows and `Routes`: per layer one int64 [s·b, K] tensor, rows sequence-major
-(`row = s_idx * b + b_idx`, the layout of a router's [s, b, h] input), against `Routes` [B, T, L, K].
+"""Megatron's layer rows and `Routes`: per layer one int64 [s·b, K] tensor, rows sequence-major
+(`row = s_idx * b + b_idx`, the layout of a router's [s, b, h] input), against `Routes` [B, T, L, K]. (Not the
+per-sequence rows of inference engines, `Routes.from_rows`: one [n_i, C, K] array per sequence.)
 
 Example:
-    >>> from moe_replay.engines.megatron import routes_to_rows, rows_to_routes  # doctest: +SKIP
+    >>> from moe_replay.engines.megatron import from_layer_rows, to_layer_rows  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -11,16 +12,17 @@ from collections.abc import Sequence
 
 import torch
 
+from ...deprecation import moved
 from ...routes import LayerInfo, Routes
-from ...routes_index import is_integer_scalar
+from ...routes.index import is_integer_scalar
 
 
-def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequence[LayerInfo]) -> Routes:
+def from_layer_rows(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequence[LayerInfo]) -> Routes:
     """Megatron's per-layer top-k rows (each [S·B, K], row `s * B + b`) as `Routes` [B, S, L, K], all recorded.
 
     Example:
         >>> rows = [torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])]  # S=2, B=2, K=2: rows s0b0, s0b1, s1b0, s1b1
-        >>> routes = rows_to_routes(rows, batch_size=2, layers=[LayerInfo("layer0", 4, 2)])
+        >>> routes = from_layer_rows(rows, batch_size=2, layers=[LayerInfo("layer0", 4, 2)])
         >>> routes.indices[1, 0, 0].tolist()  # sequence 1, position 0
         [2, 3]
     """
@@ -46,13 +48,13 @@ def rows_to_routes(rows: Sequence[torch.Tensor], batch_size: int, layers: Sequen
     return Routes(indices, mask, layers)
 
 
-def routes_to_rows(routes: Routes) -> list[torch.Tensor]:
+def to_layer_rows(routes: Routes) -> list[torch.Tensor]:
     """`Routes` [B, T, L, K] as Megatron's per-layer int64 rows [T·B, K] (row `t * B + b`), e.g. for
     `RouterReplay.set_replay_data`. Positions the routes did not record get distinct experts spread evenly over
     the experts (never all the same one); `replay_routes` routes them live instead.
 
     Example:
-        >>> rows = routes_to_rows(routes)  # doctest: +SKIP
+        >>> rows = to_layer_rows(routes)  # doctest: +SKIP
         >>> len(rows), rows[0].shape  # L tensors of [T*B, K]  # doctest: +SKIP
     """
     B, T, L, K = routes.indices.shape
@@ -62,3 +64,13 @@ def routes_to_rows(routes: Routes) -> list[torch.Tensor]:
     spread = order % counts[:, None]  # [T*B, L, K]
     keep = routes.mask.transpose(0, 1).reshape(T * B, 1, 1).to(rows.device)
     return list(torch.where(keep, rows, spread).unbind(1))
+
+
+# deprecated names, one release: each read warns and names its new place
+__getattr__ = moved(
+    __name__,
+    renamed={
+        "rows_to_routes": "moe_replay.engines.megatron.rows.from_layer_rows",
+        "routes_to_rows": "moe_replay.engines.megatron.rows.to_layer_rows",
+    },
+)

@@ -1,6 +1,6 @@
 """TRL's tool-calling loop (`GRPOTrainer(tools=...)`): one `generate` per turn, each over a subset of the batch's rows
 (prompt + completion so far + the tool's reply), its output truncated to the completion budget. The routes each turn
-recorded are assembled by the segment rule (routes_segments.py: a position's route comes from the forward whose output
+recorded are assembled by the segment rule (routes/segments.py: a position's route comes from the forward whose output
 there the next token was sampled from; the tool's tokens from the first forward that computed them) into the routes of
 one generate over the final prompts and completions, which `routes_for_batch` then lays out like a single turn's.
 """
@@ -13,7 +13,7 @@ import torch
 
 from ...errors import ReplayError
 from ...routes import Routes
-from ...routes_segments import Segment, assemble_routes
+from ...routes.segments import Segment, assemble_routes
 from .layout import padded
 
 # One `_generate_single_turn` call: its routes under generate [R, P_c + C_c, L, K], its R inputs, its R outputs.

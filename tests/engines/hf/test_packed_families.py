@@ -1,5 +1,5 @@
 """Packed replay on every MoE causal-LM family of the installed transformers, each as a tiny fp32 model: replaying
-`pack_routes` of a right-padded batch's routes on the packed row (restarting position_ids, no mask, no cache) gives the
+`to_packed` of a right-padded batch's routes on the packed row (restarting position_ids, no mask, no cache) gives the
 padded forward's per-token log-probs (the same routes replayed there) for the families `packed_families()` lists for the
 installed transformers, and is
 refused, naming the model type, for every other family (state flowing along the row, masks built without the
@@ -16,7 +16,7 @@ from helpers import perturb
 from test_families import build, pad_id
 from transformers.utils import logging
 
-from moe_replay import pack_routes, record_routes, replay_routes
+from moe_replay import record_routes, replay_routes, to_packed
 from moe_replay.engines.packed_families import packed_families
 from moe_replay.errors import ReplayError
 
@@ -59,7 +59,7 @@ def test_packed_replay_gives_the_padded_log_probs_or_is_refused(family):
     with torch.no_grad():
         with record_routes(model) as rec:
             model(ids, attention_mask=keep, use_cache=False)
-        packed = pack_routes(rec.routes, keep)
+        packed = to_packed(rec.routes, keep)
         if model_type not in packed_families():
             with pytest.raises(ReplayError, match=rf"\b{re.escape(model_type)}\b"), replay_routes(model, packed):
                 model(row, position_ids=restarting, use_cache=False)

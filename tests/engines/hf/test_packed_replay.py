@@ -1,6 +1,6 @@
 """Packed (padding-free) batches on Hugging Face transformers: a row of concatenated sequences with restarting
 position_ids, no attention mask and no cache runs each sequence on its own (transformers' packed-sequence masks);
-replaying `pack_routes` of the padded batch's routes there gives the padded forward's per-token log-probs and router
+replaying `to_packed` of the padded batch's routes there gives the padded forward's per-token log-probs and router
 gradients, and a forward that transformers would not separate (an attention mask, a cache, positions that do not
 restart at the sequences' starts) is refused before it runs."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import perturb, tiny_qwen3_moe
 
-from moe_replay import pack_routes, record_routes, replay_routes
+from moe_replay import record_routes, replay_routes, to_packed
 from moe_replay.errors import ReplayError
 
 LENGTHS = (5, 7, 3)
@@ -39,13 +39,13 @@ def token_logp(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def recorded_and_packed() -> tuple:
     """A tiny Qwen3-MoE, the padded batch, its packed row with restarting positions, the padded forward's recording
-    and `pack_routes` of it."""
+    and `to_packed` of it."""
     model = tiny_qwen3_moe()
     ids, keep = padded_batch()
     row, positions = packed_row(ids, keep)
     with torch.no_grad(), record_routes(model) as rec:
         model(ids, attention_mask=keep)
-    return model, ids, keep, row, positions, rec, pack_routes(rec.routes, keep)
+    return model, ids, keep, row, positions, rec, to_packed(rec.routes, keep)
 
 
 def test_packed_replay_gives_the_padded_forward_and_refuses_a_forward_that_mixes_sequences():
@@ -128,5 +128,5 @@ def test_a_family_not_verified_for_packed_rows_is_refused_by_name():
     with torch.no_grad(), record_routes(model) as rec:
         model(ids, attention_mask=keep)
     with pytest.raises(ReplayError, match=r"packed routes replayed on a 'jamba' model \(JambaForCausalLM\)"):
-        with replay_routes(model, pack_routes(rec.routes, keep)):
+        with replay_routes(model, to_packed(rec.routes, keep)):
             pass

@@ -112,7 +112,8 @@ def cp_worker(rank: int, mode: str, out_dir: str, port: int) -> None:
     from megatron.core import parallel_state
 
     from moe_replay import Routes
-    from moe_replay.engines.megatron import record_routes, replay_routes, routes_to_cp
+    from moe_replay.engines.megatron import record_routes, replay_routes
+    from moe_replay.routes import to_cp
 
     torch.set_num_threads(1)
     out = Path(out_dir)
@@ -143,17 +144,17 @@ def cp_worker(rank: int, mode: str, out_dir: str, port: int) -> None:
         whole = Routes.load(out / "seq_reference.safetensors")
         whole_packed = Routes.load(out / "thd_reference.safetensors")
         seen["refused"] = {  # the wrong place, found before any router runs
-            "other rank": refused(model, routes_to_cp(whole, CP, 1 - rank), run),
+            "other rank": refused(model, to_cp(whole, CP, 1 - rank), run),
             "whole batch": refused(model, whole, run),
-            "per-sequence part, packed forward": refused(model, routes_to_cp(whole, CP, rank), lambda: run(thd=True)),
+            "per-sequence part, packed forward": refused(model, to_cp(whole, CP, rank), lambda: run(thd=True)),
             "packed part, per-sequence forward": refused(
-                model, routes_to_cp(whole_packed, CP, rank, cu_seqlens_padded=cu_padded), run
+                model, to_cp(whole_packed, CP, rank, cu_seqlens_padded=cu_padded), run
             ),
         }
         perturb_routers(model)  # live routing now moves: replay has to force the single-process routes
         for name, thd, routes in (
-            ("seq", False, routes_to_cp(whole, CP, rank)),
-            ("thd", True, routes_to_cp(whole_packed, CP, rank, cu_seqlens_padded=cu_padded)),
+            ("seq", False, to_cp(whole, CP, rank)),
+            ("thd", True, to_cp(whole_packed, CP, rank, cu_seqlens_padded=cu_padded)),
         ):
             with record_routes(model) as live:
                 run(thd=thd)

@@ -11,7 +11,7 @@ from cp_worker import reference_cp_split as reference_split
 from cp_worker import reference_thd_split
 
 from moe_replay import LayerInfo, Routes
-from moe_replay.engines.megatron.cp import CPRoutes, cp_positions, padded_len, routes_from_cp, routes_to_cp
+from moe_replay.routes.cp import CPRoutes, cp_positions, from_cp, padded_len, to_cp
 
 
 def routes(B: int, T: int, seed: int) -> Routes:
@@ -29,11 +29,11 @@ def test_cp_parts_match_megatrons_split_and_round_trip(cp_size, T):
     r = routes(3, T, seed=T * cp_size)
     padded = r.pad_to(padded_len(T, cp_size))
     assert padded.seq_len % (2 * cp_size) == 0
-    parts = [routes_to_cp(r, cp_size, rank) for rank in range(cp_size)]
+    parts = [to_cp(r, cp_size, rank) for rank in range(cp_size)]
     for rank, part in enumerate(parts):
         assert torch.equal(part.indices, reference_split(padded.indices, cp_size, rank))
         assert torch.equal(part.mask, reference_split(padded.mask, cp_size, rank))
-    back = routes_from_cp(parts, seq_len=T)
+    back = from_cp(parts, seq_len=T)
     assert back.equal(r) and torch.equal(back.indices[r.mask], r.indices[r.mask])
     covered = torch.cat([cp_positions(padded.seq_len, cp_size, rank) for rank in range(cp_size)])
     assert sorted(covered.tolist()) == list(range(padded.seq_len))  # every position on exactly one rank
@@ -45,11 +45,11 @@ def test_cp_errors_name_both_sides():
     with pytest.raises(ValueError, match="cp_rank=2 must be in \\[0, cp_size=2\\)"):
         cp_positions(8, 2, 2)
     r = routes(2, 8, 0)
-    a, b = routes_to_cp(r, 2, 0), routes_to_cp(r[:1], 2, 1)
+    a, b = to_cp(r, 2, 0), to_cp(r[:1], 2, 1)
     with pytest.raises(ValueError, match="CP rank 1's part has B=1, T=4 .* but rank 0's has B=2, T=4"):
-        routes_from_cp([a, b])
+        from_cp([a, b])
     with pytest.raises(ValueError, match="recorded positions lie beyond it"):
-        routes_from_cp([routes_to_cp(r, 2, k) for k in range(2)], seq_len=5)
+        from_cp([to_cp(r, 2, k) for k in range(2)], seq_len=5)
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
@@ -57,19 +57,19 @@ def test_cp_errors_name_both_sides():
 def test_thd_parts_match_the_documented_per_document_split_and_round_trip(cp_size, lengths):
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]  # (every document a multiple of 2 x CP = 8)
     r = routes(1, cu[-1], seed=len(lengths) * cp_size)
-    parts = [routes_to_cp(r, cp_size, rank, cu_seqlens_padded=cu) for rank in range(cp_size)]
+    parts = [to_cp(r, cp_size, rank, cu_seqlens_padded=cu) for rank in range(cp_size)]
     for rank, part in enumerate(parts):
         assert torch.equal(part.indices, reference_thd_split(r.indices, cu, cp_size, rank))
         assert torch.equal(part.mask, reference_thd_split(r.mask, cu, cp_size, rank))
         assert part.where() == f"CP rank {rank} of {cp_size} (per-document, cu_seqlens_padded {cu} layout)"
-    assert routes_from_cp(parts).equal(r)
+    assert from_cp(parts).equal(r)
     plain = [Routes(p.indices, p.mask, p.layers) for p in parts]  # parts read back from files: the layout is given
-    assert routes_from_cp(plain, cu_seqlens_padded=torch.tensor(cu)).equal(r)
+    assert from_cp(plain, cu_seqlens_padded=torch.tensor(cu)).equal(r)
 
 
 def test_a_part_keeps_its_place_when_moved_or_minibatched_and_loses_it_otherwise():
     r = routes(3, 8, 0)
-    part = routes_to_cp(r, 2, 1)
+    part = to_cp(r, 2, 1)
     for kept in (part.to("cpu"), part[1:], part[0]):
         assert isinstance(kept, CPRoutes) and (kept.cp_size, kept.cp_rank, kept.cu_seqlens_padded) == (2, 1, None)
     for lost in (part.pad_to(6), Routes.cat([part, part])):
@@ -82,31 +82,31 @@ def test_thd_and_place_errors_name_both_sides():
     with pytest.raises(
         ValueError, match="document 1 of cu_seqlens_padded \\[0, 8, 14, 16\\] is 6 long, not a multiple"
     ):
-        routes_to_cp(r, 2, 0, cu_seqlens_padded=[0, 8, 14, 16])
+        to_cp(r, 2, 0, cu_seqlens_padded=[0, 8, 14, 16])
     with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 8 positions, but the routes are B=1, T=16"):
-        routes_to_cp(r, 2, 0, cu_seqlens_padded=[0, 8])
+        to_cp(r, 2, 0, cu_seqlens_padded=[0, 8])
     with pytest.raises(ValueError, match="one packed row .* but the routes are B=2"):
-        routes_to_cp(routes(2, 8, 0), 2, 0, cu_seqlens_padded=[0, 8])
+        to_cp(routes(2, 8, 0), 2, 0, cu_seqlens_padded=[0, 8])
     with pytest.raises(ValueError, match="must start at 0 and never decrease, got \\[0, 8, 4\\]"):
-        routes_to_cp(r, 2, 0, cu_seqlens_padded=[0, 8, 4])
-    parts = [routes_to_cp(r, 2, k) for k in range(2)]
+        to_cp(r, 2, 0, cu_seqlens_padded=[0, 8, 4])
+    parts = [to_cp(r, 2, k) for k in range(2)]
     with pytest.raises(ValueError, match="already a part \\(CP rank 0 of 2"):
-        routes_to_cp(parts[0], 2, 0)
+        to_cp(parts[0], 2, 0)
     with pytest.raises(ValueError, match="part 0 of 2 is CP rank 1 of 2 .* in rank order"):
-        routes_from_cp(parts[::-1])
+        from_cp(parts[::-1])
     with pytest.raises(ValueError, match="some know their place and some not: .*'a plain Routes'"):
-        routes_from_cp([parts[0], Routes(parts[1].indices, parts[1].mask, parts[1].layers)])
+        from_cp([parts[0], Routes(parts[1].indices, parts[1].mask, parts[1].layers)])
     with pytest.raises(ValueError, match="part 0 is CP rank 0 of 2 \\(per-sequence layout\\) but cu_seqlens_padded"):
-        routes_from_cp(parts, cu_seqlens_padded=[0, 16])
-    thd = [routes_to_cp(r, 2, k, cu_seqlens_padded=[0, 8, 16]) for k in range(2)]
+        from_cp(parts, cu_seqlens_padded=[0, 16])
+    thd = [to_cp(r, 2, k, cu_seqlens_padded=[0, 8, 16]) for k in range(2)]
     with pytest.raises(ValueError, match="different layouts"):
-        routes_from_cp([thd[0], parts[1]])
+        from_cp([thd[0], parts[1]])
     plain = [Routes(p.indices, p.mask, p.layers) for p in parts]
     with pytest.raises(ValueError, match="2 parts of T=8 make 16 positions but cu_seqlens_padded ends at 12"):
-        routes_from_cp(plain, cu_seqlens_padded=[0, 12])
+        from_cp(plain, cu_seqlens_padded=[0, 12])
     odd = [Routes(p.indices[:, :3], p.mask[:, :3], p.layers) for p in parts]
     with pytest.raises(ValueError, match="2 parts of T=3 make 6 positions, not a multiple of 2 x cp_size = 4"):
-        routes_from_cp(odd)
+        from_cp(odd)
 
 
 def test_placed_routes_from_a_file_or_built_by_hand(tmp_path):
@@ -114,7 +114,7 @@ def test_placed_routes_from_a_file_or_built_by_hand(tmp_path):
     all_gather_object sends it) keeps it."""
     import pickle
 
-    part = routes_to_cp(routes(2, 8, 0), 2, 1)
+    part = to_cp(routes(2, 8, 0), 2, 1)
     part.save(tmp_path / "part.safetensors")
     assert type(CPRoutes.load(tmp_path / "part.safetensors")) is Routes
     with pytest.raises(TypeError, match="CPRoutes needs its place \\['cp_size', 'cp_rank', 'cu_seqlens_padded'\\]"):

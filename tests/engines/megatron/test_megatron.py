@@ -26,10 +26,10 @@ from moe_replay import ReplayError, Routes, expert_change  # noqa: E402
 from moe_replay.engines.megatron import (  # noqa: E402
     MegatronRouteRecorder,
     find_routers,
+    from_layer_rows,
     record_routes,
     replay_routes,
-    routes_to_rows,
-    rows_to_routes,
+    to_layer_rows,
 )
 from moe_replay.engines.megatron.routers import refusal  # noqa: E402
 from moe_replay.routes import LayerInfo  # noqa: E402
@@ -53,27 +53,27 @@ def capture_routing(model):
 
 def as_map(routes: Routes, layer: int) -> torch.Tensor:
     """Routes of one layer as a routing map [T*B, E] in Megatron's sequence-major row order."""
-    rows = routes_to_rows(routes)[layer]
+    rows = to_layer_rows(routes)[layer]
     return torch.zeros(rows.shape[0], EXPERTS, dtype=torch.bool).scatter(1, rows, True)
 
 
-def test_layout_rows_to_routes_by_hand():
+def test_layout_from_layer_rows_by_hand():
     # S=2, B=2, K=2, sequence-major rows: s0b0, s0b1, s1b0, s1b1
     rows = [torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])]
-    routes = rows_to_routes(rows, batch_size=2, layers=[LayerInfo("l0", 4, 2)])
+    routes = from_layer_rows(rows, batch_size=2, layers=[LayerInfo("l0", 4, 2)])
     assert routes.indices.shape == (2, 2, 1, 2)
     assert routes.indices[0, 1, 0].tolist() == [1, 0]  # sequence 0, position 1 is row s1b0
     assert routes.indices[1, 0, 0].tolist() == [2, 3]  # sequence 1, position 0 is row s0b1
-    assert torch.equal(routes_to_rows(routes)[0], rows[0])
+    assert torch.equal(to_layer_rows(routes)[0], rows[0])
     with pytest.raises(ValueError, match="3 rows do not split into batch_size=2"):
-        rows_to_routes([torch.zeros(3, 2, dtype=torch.long)], 2, [LayerInfo("l0", 4, 2)])
+        from_layer_rows([torch.zeros(3, 2, dtype=torch.long)], 2, [LayerInfo("l0", 4, 2)])
 
 
-def test_routes_to_rows_spreads_unrecorded_positions():
+def test_to_layer_rows_spreads_unrecorded_positions():
     indices = torch.zeros(2, 3, 1, 2, dtype=torch.uint8)
     indices[..., 1] = 1
     mask = torch.tensor([[True, False, False], [True, True, False]])
-    rows = routes_to_rows(Routes(indices, mask, [LayerInfo("l0", 4, 2)]))[0]
+    rows = to_layer_rows(Routes(indices, mask, [LayerInfo("l0", 4, 2)]))[0]
     recorded = mask.T.reshape(-1)
     assert (rows[recorded] == torch.tensor([0, 1])).all()
     unrecorded = rows[~recorded]
@@ -209,7 +209,7 @@ def test_micro_batches_with_recompute_replay_their_own_routes_in_the_backward():
     ckpt.zero_grad(set_to_none=True)
     losses = []
     for (t, p, m, y), r in zip(micro, routes, strict=True):
-        for rr, rows in zip((x.router_replay for x in routers(ckpt)), routes_to_rows(r), strict=True):
+        for rr, rows in zip((x.router_replay for x in routers(ckpt)), to_layer_rows(r), strict=True):
             rr.set_target_indices(rows)
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         losses.append(ckpt(t, p, m, labels=y).mean())

@@ -25,7 +25,8 @@ from cp_worker import (  # noqa: E402
 from helpers import free_port  # noqa: E402
 from megatron_utils import megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
 
-from moe_replay.engines.megatron import CPRoutes, record_routes, replay_routes, routes_from_cp  # noqa: E402
+from moe_replay.engines.megatron import record_routes, replay_routes  # noqa: E402
+from moe_replay.routes import CPRoutes, from_cp  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -84,7 +85,7 @@ def test_cp_ranks_record_their_part_and_replay_the_single_process_routes(ranks, 
         assert part.cu_seqlens_padded == (None if name == "seq" else tuple(cu_padded))
         assert torch.equal(part.indices, split(whole.indices, name, rank, cu_padded)), f"rank {rank}"
         assert s[f"{name}_replay_exact"], f"rank {rank}: replaying its own part changed the logits"
-    assert routes_from_cp(parts).equal(whole)  # the parts join into exactly the CP = 1 recording
+    assert from_cp(parts).equal(whole)  # the parts join into exactly the CP = 1 recording
     # perturbed routers route elsewhere live; replay forces the single-process routes on every rank
     assert any(not torch.equal(s[f"{name}_live"], split(whole.indices, name, r, cu_padded)) for r, s in enumerate(seen))
     for s in every:  # (the tensor-parallel ranks of a CP rank hold its whole part: the recorder gathers the slices)
@@ -105,7 +106,7 @@ def test_cp_ranks_refuse_routes_of_the_wrong_place(ranks):
         rank = s["cp_rank"]
         got = s["refused"]
         assert f"are CP rank {1 - rank} of 2 (per-sequence layout) but this is CP rank {rank} of 2" in got["other rank"]
-        assert f"not a CP part: pass routes_to_cp(routes, cp_size=2, cp_rank={rank})" in got["whole batch"]
+        assert f"not a CP part: pass moe_replay.routes.to_cp(routes, cp_size=2, cp_rank={rank})" in got["whole batch"]
         assert (
             "got a packed row of documents [0, 8, 16] but its routes were split for whole sequences"
             in got["per-sequence part, packed forward"]

@@ -1,6 +1,6 @@
 """Packed (THD) sequences on megatron-core at CP = 1: the tests' attention-free GPT (tokens do not interact, learned
 absolute positions restart per document) run on two right-padded sequences and on the same tokens packed in one row
-with PackedSeqParams routes every token to the same experts; `pack_routes` of the batch's routes replayed on the
+with PackedSeqParams routes every token to the same experts; `to_packed` of the batch's routes replayed on the
 packed row forces them (perturbed routers), giving the batch's per-token losses and router gradients. True THD
 attention (Transformer Engine) is in scripts/megatron_cp_gpu.py."""
 
@@ -15,7 +15,7 @@ from cp_worker import packed_batch, packed_params, sequence_batch  # noqa: E402
 from helpers import free_port  # noqa: E402
 from megatron_utils import megatron_cpu, perturb_routers, tiny_gpt  # noqa: E402
 
-from moe_replay import PackedRoutes, Routes, pack_routes, replay_routes, unpack_routes  # noqa: E402
+from moe_replay import PackedRoutes, Routes, from_packed, replay_routes, to_packed  # noqa: E402
 from moe_replay.engines.megatron import record_routes  # noqa: E402
 from moe_replay.errors import ReplayError  # noqa: E402
 
@@ -52,12 +52,12 @@ def test_packed_row_routes_and_replays_as_the_batch():
         with pytest.raises(ValueError, match="packed rows of several forwards do not join"):
             _ = two.routes
         # every token is routed as in the batch: packing the batch's routes gives the row's, token for token
-        mine = pack_routes(batch_routes, keep, multiple=4)
+        mine = to_packed(batch_routes, keep, multiple=4)
         assert torch.equal(mine.cu_seqlens, cu) and torch.equal(mine.cu_seqlens_padded, cu_padded)
         tokens = mine.routes.mask[0]
         assert int(tokens.sum()) == int(keep.sum())
         assert torch.equal(on_row.indices[0, tokens], mine.routes.indices[0, tokens])
-        assert unpack_routes(on_row, cu, keep, cu_seqlens_padded=cu_padded).equal(batch_routes)
+        assert from_packed(on_row, cu, keep, cu_seqlens_padded=cu_padded).equal(batch_routes)
 
         perturb_routers(model)
         with record_routes(model) as live:
@@ -96,7 +96,7 @@ def test_packed_row_routes_and_replays_as_the_batch():
 def test_packed_row_with_attention_and_a_block_diagonal_mask_routes_as_the_batch():
     """With attention (megatron-core's local attention, learned absolute positions): the padded batch under its causal
     mask and the packed row [1, 16] under a block-diagonal causal mask with restarting positions route every token to
-    the same experts, and the batch's routes packed (`pack_routes`) and replayed on the row force them on perturbed
+    the same experts, and the batch's routes packed (`to_packed`) and replayed on the row force them on perturbed
     routers, giving the batch's per-token losses. (True THD, with PackedSeqParams, needs Transformer Engine:
     scripts/megatron_cp_gpu.py.)"""
     seq = sequence_batch()
@@ -114,7 +114,7 @@ def test_packed_row_with_attention_and_a_block_diagonal_mask_routes_as_the_batch
         batch_routes = Routes(rec.routes.indices, rec.routes.mask & keep.bool(), rec.routes.layers)
         with record_routes(model) as rec:
             model(packed["tokens"], packed["position_ids"], block)
-        mine = pack_routes(batch_routes, keep, multiple=4)
+        mine = to_packed(batch_routes, keep, multiple=4)
         tokens = mine.routes.mask[0]
         same = (rec.routes.indices[0, tokens].sort(-1).values == mine.routes.indices[0, tokens].sort(-1).values).all()
         assert same, "the packed row routed some token elsewhere than the padded batch"

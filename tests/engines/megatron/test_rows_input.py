@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from moe_replay import LayerInfo, Routes
-from moe_replay.engines.megatron import rows_to_routes
-from moe_replay.engines.megatron.cp import padded_len, routes_from_cp, routes_to_cp
+from moe_replay.engines.megatron import from_layer_rows
+from moe_replay.routes.cp import from_cp, padded_len, to_cp
 
 LAYER = [LayerInfo("decoder.layers.0.mlp.router", 8, 2)]
 
@@ -27,17 +27,17 @@ LAYER = [LayerInfo("decoder.layers.0.mlp.router", 8, 2)]
         (torch.tensor([[2, 2]]), "duplicate experts \\[2, 2\\]"),
     ],
 )
-def test_rows_to_routes_checks_ids_as_given(row, message):
+def test_from_layer_rows_checks_ids_as_given(row, message):
     with pytest.raises(ValueError, match=message):
-        rows_to_routes([row], 1, LAYER)
+        from_layer_rows([row], 1, LAYER)
 
 
-def test_rows_to_routes_keeps_ids_of_any_integer_dtype():
+def test_from_layer_rows_keeps_ids_of_any_integer_dtype():
     for dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16):
-        routes = rows_to_routes([torch.tensor([[7, 0], [3, 5]], dtype=dtype)], 2, LAYER)
+        routes = from_layer_rows([torch.tensor([[7, 0], [3, 5]], dtype=dtype)], 2, LAYER)
         assert routes.indices.dtype == torch.uint8 and routes.indices[:, 0, 0].tolist() == [[7, 0], [3, 5]]
     with pytest.raises(ValueError, match="do not split into batch_size=2.0"):
-        rows_to_routes([torch.tensor([[0, 1], [2, 3]])], 2.0, LAYER)
+        from_layer_rows([torch.tensor([[0, 1], [2, 3]])], 2.0, LAYER)
 
 
 def test_cp_sizes_and_ranks_are_whole_numbers_in_range():
@@ -53,12 +53,12 @@ def test_cp_sizes_and_ranks_are_whole_numbers_in_range():
         (2, 0.0, "cp_rank=0.0 must be in"),
     ]:
         with pytest.raises(ValueError, match=message):
-            routes_to_cp(routes, cp_size, cp_rank)
+            to_cp(routes, cp_size, cp_rank)
     with pytest.raises(ValueError, match="cp_size must be a whole number >= 1, got 0"):
         padded_len(10, 0)
-    assert routes_to_cp(routes, np.int64(2), np.int64(1)).seq_len == 2  # numpy ints are whole numbers too
-    parts = [routes_to_cp(routes, 2, r) for r in range(2)]
+    assert to_cp(routes, np.int64(2), np.int64(1)).seq_len == 2  # numpy ints are whole numbers too
+    parts = [to_cp(routes, 2, r) for r in range(2)]
     with pytest.raises(ValueError, match="seq_len must be a whole number >= 0, got 3.5"):
-        routes_from_cp(parts, seq_len=3.5)
+        from_cp(parts, seq_len=3.5)
     with pytest.raises(ValueError, match="CP rank 1's part is a Tensor, not a Routes"):
-        routes_from_cp([parts[0], parts[1].indices])
+        from_cp([parts[0], parts[1].indices])

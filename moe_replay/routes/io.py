@@ -13,9 +13,10 @@ from dataclasses import asdict
 
 import torch
 
-from .errors import RoutesFileError
-from .routes import LayerInfo, Routes, check_structure, index_dtype
-from .routes_check import check_version
+from ..errors import RoutesFileError
+from .check import check_version
+from .core import Routes, check_structure
+from .layers import LayerInfo, index_dtype
 
 FORMAT_NAME = "moe-replay.routes"
 FORMAT_VERSION = 2  # 2: an optional `version` tensor

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .routes_check import check_ids, check_version
-from .routes_index import batch_index
-from .routes_layers import LayerInfo, check_layers, index_dtype, layer_diff
+from .check import check_ids, check_version
+from .index import batch_index
+from .layers import LayerInfo, check_layers, index_dtype, layer_diff
 
 IndexLike = int | slice | Sequence[int] | torch.Tensor
 
@@ -153,11 +153,9 @@ class Routes:
             >>> Routes.from_rows(rows, [LayerInfo("model.layers.0.mlp.gate", 4, 2)], pad_left=[0, 1]).mask.tolist()
             [[True, True], [False, True]]
         """
-        from .routes_rows import routes_from_rows
+        from .rows import from_rows
 
-        return routes_from_rows(
-            rows, layers, pad_left=pad_left, seq_len=seq_len, columns=columns, zeros_empty=zeros_empty
-        )
+        return from_rows(rows, layers, pad_left=pad_left, seq_len=seq_len, columns=columns, zeros_empty=zeros_empty)
 
     def to(self, device: torch.device | str) -> Routes:
         """Move to a device (indices keep their dtype)."""
@@ -191,7 +189,7 @@ class Routes:
         Example:
             >>> routes.save("r.safetensors"); Routes.load("r.safetensors")  # doctest: +SKIP
         """
-        from .routes_io import save_routes
+        from .io import save_routes
 
         save_routes(self, path)
 
@@ -203,7 +201,7 @@ class Routes:
         `validate=False` skips the per-entry check (ids in [0, E), no duplicates) for files you wrote yourself and
         memory-maps the file; the header, shapes, dtypes and layers are always checked.
         """
-        from .routes_io import load_routes
+        from .io import load_routes
 
         return load_routes(cls, path, device, validate=validate)
 

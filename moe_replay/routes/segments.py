@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .routes import Routes, layer_diff
-from .routes_index import is_integer_scalar
-from .routes_packed import token_mask
-from .routes_placed import PlacedRoutes
+from .core import Routes
+from .index import is_integer_scalar
+from .layers import layer_diff
+from .packed import token_mask
+from .placed import PlacedRoutes
 
 VERSION_MAX = 2**31 - 1  # versions are stored as int32
 

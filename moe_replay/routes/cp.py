@@ -3,9 +3,9 @@
 With context parallelism (CP) megatron-core splits each sequence into 2·CP equal chunks and gives CP rank r chunks r
 and 2·CP − 1 − r, concatenated (`get_batch_on_this_cp_rank`: balanced causal attention work), so a sequence's length
 must be a multiple of 2·CP. A packed (THD) row is split the same way per document (`cu_seqlens_padded` boundaries,
-each document a multiple of 2·CP long; Transformer Engine's `thd_get_partitioned_indices`). `routes_to_cp` gives a
+each document a multiple of 2·CP long; Transformer Engine's `thd_get_partitioned_indices`). `to_cp` gives a
 rank its part of a `Routes` [B, T, L, K] in either layout as a `CPRoutes`, which knows its place and which the
-Megatron contexts check against the rank they run on; `routes_from_cp` puts the ranks' parts back together.
+Megatron contexts check against the rank they run on; `from_cp` puts the ranks' parts back together.
 
 Shape legend: B sequences, T positions, L layers, K experts per token.
 """
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ...routes import Routes
-from ...routes_index import is_integer_scalar
-from ...routes_packed import PackedRoutes, boundaries
-from ...routes_placed import PlacedRoutes
+from .core import Routes
+from .index import is_integer_scalar
+from .packed import PackedRoutes, boundaries
+from .placed import PlacedRoutes
 
 
 class CPRoutes(PlacedRoutes):
@@ -29,7 +29,7 @@ class CPRoutes(PlacedRoutes):
     (`.to`), selecting sequences and pickling keep the place; padding, joining or a file give a plain `Routes`.
 
     Example:
-        >>> part = routes_to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
+        >>> part = to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
         >>> part.cp_rank, part.where()  # doctest: +SKIP
         (1, 'CP rank 1 of 2 (per-sequence layout)')
     """
@@ -108,7 +108,7 @@ def thd_cp_positions(cu_seqlens_padded: Sequence[int] | torch.Tensor, cp_size: i
         d = int(odd[0])
         raise ValueError(
             f"document {d} of cu_seqlens_padded {cu.tolist()} is {int(lengths[d])} long, not a multiple of "
-            f"2 x cp_size = {2 * cp_size} (pad each document: pack_routes(..., multiple={2 * cp_size}))"
+            f"2 x cp_size = {2 * cp_size} (pad each document: to_packed(..., multiple={2 * cp_size}))"
         )
     parts = [
         start + cp_positions(int(n), cp_size, cp_rank)
@@ -124,21 +124,21 @@ def _as_cu(cu_seqlens_padded: Any) -> tuple[int, ...] | None:
     return tuple(boundaries(torch.as_tensor(cu_seqlens_padded), "cu_seqlens_padded").tolist())
 
 
-def routes_to_cp(
+def to_cp(
     routes: Routes, cp_size: int, cp_rank: int, *, cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None
 ) -> CPRoutes:
     """CP rank `cp_rank`'s part of `routes`, as megatron-core splits the batch for that rank.
 
     Per sequence (default): [B, T'/CP, L, K] with T' = T padded (unrecorded) to a multiple of 2·`cp_size`. A packed
-    row (B = 1, T = `cu_seqlens_padded[-1]`; `pack_routes(..., multiple=2 * cp_size)`'s routes know theirs) is split
+    row (B = 1, T = `cu_seqlens_padded[-1]`; `to_packed(..., multiple=2 * cp_size)`'s routes know theirs) is split
     per document: [1, T/CP, L, K]. The result knows its place, which the Megatron contexts check.
 
     Example:
-        >>> part = routes_to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
-        >>> part = routes_to_cp(packed.routes, 2, 1, cu_seqlens_padded=packed.cu_seqlens_padded)  # doctest: +SKIP
+        >>> part = to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
+        >>> part = to_cp(packed.routes, 2, 1, cu_seqlens_padded=packed.cu_seqlens_padded)  # doctest: +SKIP
     """
     if not isinstance(routes, Routes):
-        raise ValueError(f"routes_to_cp needs a Routes, got {type(routes).__name__}")
+        raise ValueError(f"to_cp needs a Routes, got {type(routes).__name__}")
     if isinstance(routes, CPRoutes):
         raise ValueError(f"these routes are already a part ({routes.where()}): split the whole batch's routes")
     check_cp(cp_size, cp_rank)
@@ -163,24 +163,24 @@ def routes_to_cp(
     return part_of(part, cp_size, cp_rank, cu)
 
 
-def routes_from_cp(
+def from_cp(
     parts: Sequence[Routes],
     seq_len: int | None = None,
     *,
     cu_seqlens_padded: Sequence[int] | torch.Tensor | None = None,
 ) -> Routes:
     """The whole `Routes` [B, T, L, K] from every CP rank's part (in rank order), cut to `seq_len` if given (the
-    positions beyond it must be unrecorded padding). Parts that know their place (`CPRoutes`, from `routes_to_cp` or a
+    positions beyond it must be unrecorded padding). Parts that know their place (`CPRoutes`, from `to_cp` or a
     recording under CP) must be ranks 0, 1, ... of one layout; plain parts are taken in list order, per sequence
     unless `cu_seqlens_padded` says the row was split per document.
 
     Example:
-        >>> parts = [routes_to_cp(routes, 2, r) for r in range(2)]  # doctest: +SKIP
-        >>> whole = routes_from_cp(parts, seq_len=routes.seq_len)  # doctest: +SKIP
+        >>> parts = [to_cp(routes, 2, r) for r in range(2)]  # doctest: +SKIP
+        >>> whole = from_cp(parts, seq_len=routes.seq_len)  # doctest: +SKIP
     """
     parts = list(parts)
     if not parts:
-        raise ValueError("routes_from_cp needs one part per CP rank")
+        raise ValueError("from_cp needs one part per CP rank")
     cp_size, first = len(parts), parts[0]
     cu = _as_cu(cu_seqlens_padded)
     for r, p in enumerate(parts):
@@ -231,17 +231,3 @@ def routes_from_cp(
         indices, mask = indices[:, :seq_len], mask[:, :seq_len]
         version = None if version is None else version[:, :seq_len]
     return Routes._trusted(indices, mask, first.layers, version)
-
-
-def cp_place(router: Any) -> tuple[int, int]:
-    """(CP size, this rank's CP rank) of a megatron-core router (its `cp_group`), (1, 0) without CP.
-
-    Example:
-        >>> cp_place(gpt_model.decoder.layers[0].mlp.router)  # doctest: +SKIP
-        (2, 1)
-    """
-    size = getattr(router.config, "context_parallel_size", 1) or 1
-    group = getattr(router, "cp_group", None)
-    if size == 1 or group is None:
-        return 1, 0
-    return group.size(), group.rank()

@@ -14,14 +14,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from .routes import IndexLike, Routes
+from .core import IndexLike, Routes
 
 
 class PlacedRoutes(Routes):
     """A `Routes` with a place: the subclass names its fields (`PLACE`), all given when it is made.
 
     Example:
-        >>> part = routes_to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
+        >>> part = to_cp(routes, cp_size=2, cp_rank=1)  # doctest: +SKIP
         >>> part.place()  # doctest: +SKIP
         {'cp_size': 2, 'cp_rank': 1, 'cu_seqlens_padded': None}
     """

@@ -15,18 +15,18 @@ from typing import NamedTuple
 
 import torch
 
-from .routes import Routes
-from .routes_index import is_integer_scalar
-from .routes_placed import PlacedRoutes
+from .core import Routes
+from .index import is_integer_scalar
+from .placed import PlacedRoutes
 
 
 class PackedRoutes(PlacedRoutes):
     """A packed row's routes [1, N, L, K] that know their sequences' boundaries (`cu_seqlens`, and
     `cu_seqlens_padded` where each sequence starts): `replay_routes` replays them only on a forward that runs the
-    row as those packed sequences, and `routes_to_cp` splits them per document.
+    row as those packed sequences, and `to_cp` splits them per document.
 
     Example:
-        >>> pack_routes(routes, attention_mask).routes.cu_seqlens  # doctest: +SKIP
+        >>> to_packed(routes, attention_mask).routes.cu_seqlens  # doctest: +SKIP
         (0, 5, 12)
     """
 
@@ -40,7 +40,7 @@ class PackedRoutes(PlacedRoutes):
 
 
 class Packed(NamedTuple):
-    """`pack_routes`' result: the packed routes [1, N, L, K] (a `PackedRoutes`) and the int32 [B + 1] boundaries that
+    """`to_packed`' result: the packed routes [1, N, L, K] (a `PackedRoutes`) and the int32 [B + 1] boundaries that
     Megatron's `PackedSeqParams` takes (`cu_seqlens_q` / `cu_seqlens_q_padded`)."""
 
     routes: PackedRoutes
@@ -73,16 +73,16 @@ def token_mask(
     return values != 0
 
 
-def pack_routes(routes: Routes, attention_mask: torch.Tensor, *, multiple: int = 1) -> Packed:
+def to_packed(routes: Routes, attention_mask: torch.Tensor, *, multiple: int = 1) -> Packed:
     """Pack a batch's routes [B, T, L, K] into one row [1, N, L, K]: each row's tokens (where `attention_mask` [B, T]
     is 1) in order, each sequence padded with unrecorded positions to a multiple of `multiple`.
 
     Example:
-        >>> packed = pack_routes(routes, attention_mask, multiple=2 * cp_size)  # doctest: +SKIP
+        >>> packed = to_packed(routes, attention_mask, multiple=2 * cp_size)  # doctest: +SKIP
         >>> PackedSeqParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, ...)  # doctest: +SKIP
     """
     if not isinstance(routes, Routes):
-        raise ValueError(f"pack_routes needs a Routes, got {type(routes).__name__}")
+        raise ValueError(f"to_packed needs a Routes, got {type(routes).__name__}")
     if not is_integer_scalar(multiple) or multiple < 1:
         raise ValueError(f"multiple must be a whole number >= 1, got {multiple!r}")
     keep = token_mask(attention_mask, routes.device, (routes.batch_size, routes.seq_len))
@@ -111,7 +111,7 @@ def pack_routes(routes: Routes, attention_mask: torch.Tensor, *, multiple: int =
     return Packed(packed, cu, cu_padded)
 
 
-def unpack_routes(
+def from_packed(
     packed: Routes,
     cu_seqlens: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -125,12 +125,12 @@ def unpack_routes(
     which know their own) differ from the routes' own boundaries.
 
     Example:
-        >>> routes = unpack_routes(packed.routes, packed.cu_seqlens, attention_mask,
+        >>> routes = from_packed(packed.routes, packed.cu_seqlens, attention_mask,
         ...                        cu_seqlens_padded=packed.cu_seqlens_padded)  # doctest: +SKIP
     """
     if not isinstance(packed, Routes) or packed.batch_size != 1:
         what = f"B={packed.batch_size}" if isinstance(packed, Routes) else type(packed).__name__
-        raise ValueError(f"unpack_routes needs packed Routes of one row (B=1), got {what}")
+        raise ValueError(f"from_packed needs packed Routes of one row (B=1), got {what}")
     keep = token_mask(attention_mask, packed.device)
     B, T = keep.shape
     lengths = keep.sum(1).cpu()

@@ -1,4 +1,6 @@
-"""`Routes.from_rows`: one array of routes per sequence (as inference engines return them) laid out as a [B, T] batch.
+"""`from_rows` (`Routes.from_rows`): one array of routes per sequence (as inference engines return them) laid out as a
+[B, T] batch. These per-sequence rows are what "rows" means in `moe_replay.routes`; Megatron's one tensor per layer
+are "layer rows" (`moe_replay.engines.megatron.from_layer_rows`).
 
 Engines name no layers and return one column per *decoder* layer (`num_hidden_layers`, dense layers included) or
 one per MoE layer; the caller's `LayerInfo`s name the MoE layers and `columns` says which engine column each takes.
@@ -17,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .routes import LayerInfo, Routes, check_layers, index_dtype
-from .routes_check import check_ids
-from .routes_index import is_integer_scalar
+from .check import check_ids
+from .core import Routes
+from .index import is_integer_scalar
+from .layers import LayerInfo, check_layers, index_dtype
 
 DECODER_INDEX = re.compile(r"(?:^|\.)(?<!mtp\.)layers\.(\d+)\.")  # (not a multi-token-prediction layer's)
 
@@ -144,7 +147,7 @@ def pad_offsets(pad_left: Sequence[int] | torch.Tensor | None, rows: int) -> lis
     return pads
 
 
-def routes_from_rows(
+def from_rows(
     rows: Sequence[Any],
     layers: Sequence[LayerInfo],
     *,
@@ -157,7 +160,12 @@ def routes_from_rows(
     a [B, T] batch (mask True there); the columns of `columns` (default: `engine_columns`) become the L layers.
     Ids are range-checked in the engine's dtype before they are narrowed, then checked for duplicates. A position
     whose ids are all negative (an engine's "no route" sentinel), or with `zeros_empty` all zero (K > 1: never a
-    real route, whose K ids are distinct), is left unrecorded."""
+    real route, whose K ids are distinct), is left unrecorded.
+
+    Example:
+        >>> from_rows([torch.tensor([[[0, 1]]])], [LayerInfo("model.layers.0.mlp.gate", 4, 2)], pad_left=[1]).mask
+        tensor([[False,  True]])
+    """
     rows = list(rows)
     layers = tuple(layers)
     B = len(rows)
