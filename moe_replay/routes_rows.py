@@ -1,0 +1,12 @@
+"""Deprecated: moved to `moe_replay.routes.rows`. Importing this module does not warn; reading a name here warns
+(DeprecationWarning) and gives that module's object. Removed in the next release.
+
+Example:
+    >>> from moe_replay.routes.rows import *  # doctest: +SKIP
+"""
+
+from .deprecation import moved
+
+__getattr__ = moved(
+    __name__, "moe_replay.routes.rows", renamed={"routes_from_rows": "moe_replay.routes.rows.from_rows"}
+)
