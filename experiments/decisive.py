@@ -194,9 +194,9 @@ def options(ap: argparse.ArgumentParser) -> None:
 
 
 def gate(args: argparse.Namespace) -> None:
-    """The gate presets: measure (or with --replot, redraw from the committed CSVs), write <out>/<preset>.csv (its
-    rows for the candidates measured now replace theirs in a table already there), the steps and the figure, and
-    print the verdict.
+    """The gate presets: measure (or with --replot, redraw from the committed CSVs), write <out>/<preset>.csv (with
+    --candidate, its rows replace that candidate's in a table already there; without, the run in order A, B, C
+    replaces the whole table, so no row of an earlier run stays), the steps and the figure, and print the verdict.
 
     Example:
         >>> gate(parse_args(__doc__, GATE_PRESETS, runs=Path("runs/g"), argv=["--preset", "gate4"]))  # doctest: +SKIP
@@ -207,7 +207,7 @@ def gate(args: argparse.Namespace) -> None:
     else:
         table, steps = run_gate(name, args.runs, not args.quiet, args.candidate)
         for new, path in ((table, args.out / f"{name}.csv"), (steps, args.out / f"{name}_steps.csv")):
-            before = pd.read_csv(path) if path.exists() else new.iloc[:0]
+            before = pd.read_csv(path) if path.exists() and args.candidate else new.iloc[:0]
             merged = pd.concat([before[~before.candidate.isin(new.candidate)], new], ignore_index=True)
             write_table(merged.sort_values("candidate", kind="stable"), path)
         table, steps = pd.read_csv(args.out / f"{name}.csv"), pd.read_csv(args.out / f"{name}_steps.csv")

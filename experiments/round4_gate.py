@@ -1,7 +1,8 @@
 """Round 4's gate (experiments/round4_plan.md), run by `python experiments/decisive.py --preset gate4`: GRPO without
-replay from a 600-step warm start, every learning rate warmed up over 20 steps, the routers at their own rate; after
-the warmup and 5 settling steps, 10 measured steps must show routing drift, routing's share of the log-ratio noise,
-and stability. Candidates A, B, C are measured in order and the first that passes is the round-4 setting.
+replay from a warm start of all 600 steps (no early stop at a sampled-reward target), every learning rate warmed up
+over 20 steps, the routers at their own rate; after the warmup and 5 settling steps, 10 measured steps must show
+routing drift, routing's share of the log-ratio noise, and stability. Candidates A, B, C are measured in order and
+the first that passes is the round-4 setting.
 
     python experiments/decisive.py --preset gate4                  # A, then B if A fails, then C if B fails
     python experiments/decisive.py --preset gate4 --candidate B    # one candidate
@@ -38,13 +39,15 @@ HELDOUT_DROP_MAX = 0.05  # held-out reward never more than this below the warm s
 GATE_SEED = 900  # the gate's seed: never used later (the decisive runs use 0.., the pilot 100..102)
 HELDOUT = "eval/sampled/reward"
 # common to the candidates: pair sums with 16-token answers, Qwen3-MoE of 4 layers (the policy's default) with 16
-# experts top-2, a 600-step warm start, 8 prompts x 8 answers, lr 1e-4 but for the routers, every rate warmed up
-# over 20 steps, an fp32 sampler, 256 held-out prompts; GRPO without replay
+# experts top-2, a warm start of exactly 600 steps (the plan's: no stop at the loop's sampled-reward target), 8
+# prompts x 8 answers, lr 1e-4 but for the routers, every rate warmed up over 20 steps, an fp32 sampler, 256 held-out
+# prompts; GRPO without replay
 ROUND4 = {
     "task": "pair_sum",
     "task_size": 16,
     "policy": {"num_experts": 16, "num_experts_per_tok": 2},
     "warm_start_steps": 600,
+    "warm_start_target": None,  # every warm-start step runs (the loop's default stops at sampled reward 0.35)
     "prompts": 8,
     "group_size": 8,
     "lr": 1e-4,
@@ -73,7 +76,8 @@ GATE_PRESETS: dict[str, dict[str, Any]] = {
 
 def gate_config(preset: str, candidate: str, seed: int, runs: Path) -> TrainConfig:
     """The GRPO run of `candidate` at `seed` under `preset`: warmup, settling and measured steps, held-out evaluation
-    every few steps, its warm start in `runs/init_seed<seed>` (shared by the candidates).
+    every few steps, its warm start in `runs/init_seed<seed>_full<warm_start_steps>` (shared by the candidates;
+    named apart from the warm starts that stopped at the loop's sampled-reward target).
 
     Example:
         >>> gate_config("gate4", "A", 900, Path("runs/decisive_gate4")).router_lr
@@ -85,7 +89,7 @@ def gate_config(preset: str, candidate: str, seed: int, runs: Path) -> TrainConf
     steps = settings["lr_warmup_steps"] + p["settle"] + p["measure"]
     return TrainConfig(
         output=str(runs / f"grpo_{candidate}_seed{seed}"),
-        init=str(runs / f"init_seed{seed}"),
+        init=str(runs / f"init_seed{seed}_full{settings['warm_start_steps']}"),
         seed=seed,
         steps=steps,
         eval_every=p["eval_every"],
@@ -178,6 +182,7 @@ def run_gate(
         verdict = {"figure": "gate", "value": sum(r["passes"] for r in counted), "threshold": len(counted)}
         rows.append(verdict | {"rule": "all", "passes": all(r["passes"] for r in counted), "in_verdict": True})
         where = {"candidate": name, "router_lr": cfg.router_lr, "minibatches": cfg.minibatches, "seed": seed}
+        where |= {"warm_start_steps": cfg.warm_start_steps, "warm_start_target": cfg.warm_start_target}
         tables.append(pd.DataFrame(rows).assign(**where, note=note))
         per_step.append(steps.assign(candidate=name, router_lr=cfg.router_lr, minibatches=cfg.minibatches))
         if rows[-1]["passes"]:

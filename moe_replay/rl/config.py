@@ -52,7 +52,7 @@ class TrainConfig:
     policy: dict[str, Any] = field(default_factory=dict)
     init: str | None = None  # the warm-started policy (save_pretrained dir), made there if missing; None: <output>/init
     warm_start_steps: int = 300
-    warm_start_target: float = 0.35
+    warm_start_target: float | None = 0.35  # the warm start stops at this sampled reward; None: all warm_start_steps
     warm_start_lr: float = 3e-3
     steps: int = 50
     prompts: int = 16

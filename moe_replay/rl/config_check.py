@@ -100,8 +100,10 @@ def check_ranges(cfg: TrainConfig) -> None:
             f"max_grad_norm must be > 0, got {cfg.max_grad_norm}: clipping to a negative norm flips every gradient "
             "(the optimizer then climbs the loss) and to 0 zeroes it; for no clipping use inf"
         )
-    if not 0 < cfg.warm_start_target <= 1:
-        raise ValueError(f"warm_start_target must be a reward in (0, 1], got {cfg.warm_start_target}")
+    if cfg.warm_start_target is not None and not 0 < cfg.warm_start_target <= 1:
+        raise ValueError(
+            f"warm_start_target must be a reward in (0, 1] or None (all warm_start_steps), got {cfg.warm_start_target}"
+        )
     clip_range(cfg.importance_sampling_level, cfg.epsilon_low, cfg.epsilon_high)  # (its own message names both)
     _check_correction(cfg)
     if cfg.off_policy_mask_threshold is not None and math.isnan(cfg.off_policy_mask_threshold):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import runpy
@@ -237,6 +238,10 @@ def test_decisive_gate4_quick_preset(tmp_path, monkeypatch):
         counted = part[part.in_verdict & (part.figure != "gate")]
         assert len(counted) == 4 and part[part.figure == "gate"].passes.item() == counted.passes.all(), name
     assert (table.seed == 900).all() and set(table.minibatches) <= {2, 4}
+    # the warm start runs all its steps (no stop at a sampled-reward target), in a directory named for that
+    assert (table.warm_start_steps == 10).all() and table.warm_start_target.isna().all()
+    saved = json.loads((runs / "init_seed900_full10" / "warm_start.json").read_text())
+    assert saved["warm_start_steps"] == 10 and saved["warm_start_target"] is None
     steps = pd.read_csv(out / "gate4_quick_steps.csv")
     assert steps.groupby("candidate").measured.sum().eq(2).all() and steps.routing_share.notna().all()
     assert_figure(out / "gate4_quick.png", 500, 800)
@@ -245,3 +250,6 @@ def test_decisive_gate4_quick_preset(tmp_path, monkeypatch):
                                   pd.read_csv(out / "gate4_quick.csv").sort_values(["candidate", "figure"])
                                   .reset_index(drop=True))  # fmt: skip
     assert set(again.candidate) == set(measured) | {"B"}
+    stale = again[again.candidate == "B"].assign(candidate="Z")  # a row no run in order A, B, C writes
+    pd.concat([again, stale]).to_csv(out / "gate4_quick.csv", index=False)
+    assert set(gate().candidate) == set(measured)  # without --candidate the table is replaced whole

@@ -88,6 +88,7 @@ def test_a_value_of_the_wrong_type_is_refused(kw, names):
 def test_an_int_is_a_float_and_inf_turns_gradient_clipping_off():
     cfg = TrainConfig(lr=1, warm_start_target=1, output=Path("runs/x"))
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and isinstance(cfg.warm_start_target, float)
+    assert TrainConfig(warm_start_target=None).warm_start_target is None  # (the warm start runs all its steps)
     assert cfg.output == "runs/x"  # (a path is stored as the string config.json can hold)
     assert TrainConfig(**TrainConfig(max_grad_norm=math.inf).to_dict()).max_grad_norm == math.inf
     refused(dict(max_grad_norm=None), "max_grad_norm", "None", "a number")
