@@ -9,14 +9,22 @@ b = 32, s = 64 and b = 1, s = 32: recording a no-grad forward (ours: `with recor
 peer: RECORD on every router, the forward, `get_recorded_data()` cloned), and replaying a forward and its backward
 (ours: `with replay_routes(model, routes)`; the peer: `set_replay_data(rows)`, REPLAY_FORWARD, forward, backward,
 `clear_global_indices()`). Instructions: each work in its own process under `valgrind --tool=callgrind
---instr-atstart=no`, the garbage collector off while counting, N repetitions after 3 uncounted ones (the helper of
-benchmarks/callgrind.py). Writes benchmarks/results_megatron_native.csv (--timed: ..._timed.csv; or --csv).
+--instr-atstart=no`, the garbage collector off while counting, N repetitions after 3 uncounted ones, counted only
+between the start and stop of a tiny C helper loaded with ctypes (imports, model build and warm-up uncounted; needs
+`valgrind`, a C compiler and valgrind's `callgrind.h`: Debian `apt install valgrind gcc`). Writes
+benchmarks/results_megatron_native.csv (--timed: ..._timed.csv; or --csv).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
+import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SIZES = {"b=32, s=64": (32, 64), "b=1, s=32": (1, 32)}
 WORKS = {"record": ("record", "native_record"), "replay forward + backward": ("replay", "native_replay")}
 REPS = {"b=32, s=64": 3, "b=1, s=32": 10}
+HELPER = r"""
+#include <valgrind/callgrind.h>
+void start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void stop(void) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS; }
+"""
 
 
 def works(b: int, s: int) -> dict[str, Callable[[], None]]:
@@ -81,22 +94,51 @@ def session() -> object:
     return megatron_cpu(port=free_port())
 
 
+def build_helper(where: Path) -> str:
+    """Compile the callgrind start/stop helper into `where`; returns its path; a clear error if tools are missing."""
+    missing = [tool for tool in ("valgrind", "cc") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"counting instructions needs {missing} on PATH (Debian: apt install valgrind gcc)")
+    (where / "helper.c").write_text(HELPER)
+    lib = where / "helper.so"
+    made = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(where / "helper.c")],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if made.returncode != 0:
+        raise SystemExit(f"could not build the callgrind helper (is valgrind's callgrind.h installed?):\n{made.stderr}")
+    return str(lib)
+
+
 def child(size: str, work: str, reps: int, helper: str) -> None:
-    """Count `work` `reps` times under callgrind (this process runs under valgrind)."""
+    """Under valgrind: `work` 3 times uncounted, then `reps` times counted, the garbage collector off while counting."""
     import torch
 
     torch.set_num_threads(1)
-    from callgrind import run_counted
-
     with session():
-        run_counted(works(*SIZES[size])[work], reps, helper)  # (the garbage collector off while counting)
+        fn = works(*SIZES[size])[work]
+        for _ in range(3):
+            fn()
+        lib = ctypes.CDLL(helper)
+        gc.collect()
+        gc.disable()
+        lib.start()
+        for _ in range(reps):
+            fn()
+        lib.stop()
 
 
 def count(size: str, work: str, helper: str) -> float:
-    """Instructions per repetition of `work`, from a fresh process under callgrind."""
-    from callgrind import counted
-
-    return counted(__file__, ["--child", size, work, str(REPS[size]), helper], REPS[size])
+    """Instructions per repetition of `work`, from a fresh process under callgrind (one thread, this folder on the
+    path, hash seed $PYTHONHASHSEED or 0: one seed repeats exactly)."""
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--callgrind-out-file=/dev/null", sys.executable,
+           __file__, "--child", size, work, str(REPS[size]), helper]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path,
+           "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", "0")}  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    found = re.search(r"Collected : (\d+)", out.stderr)
+    if out.returncode != 0 or found is None:
+        raise RuntimeError(f"{' '.join(cmd[-5:])} failed:\n{out.stderr[-2000:]}")
+    return int(found.group(1)) / REPS[size]
 
 
 def timed(rounds: int) -> list[dict[str, object]]:
@@ -143,7 +185,6 @@ def main() -> int:
     name = "results_megatron_native_timed.csv" if args.timed else "results_megatron_native.csv"
     args.csv = args.csv or Path(__file__).with_name(name)
     sys.path.insert(0, str(Path(__file__).parent))
-    from callgrind import build_helper
     from run import write_rows
 
     if args.timed:
