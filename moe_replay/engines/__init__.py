@@ -12,7 +12,6 @@ from torch import nn
 
 from ..routes import Packed, PackedRoutes, Routes
 from . import hf, megatron
-from .hf.warm import is_warm
 from .packed import PackedReplayer
 
 
@@ -27,8 +26,6 @@ def record_routes(model: nn.Module | Sequence[nn.Module]) -> hf.RouteRecorder | 
         ...     out = model.generate(**batch, do_sample=True, return_dict_in_generate=True)
         >>> routes = rec.routes
     """
-    if is_warm(model):  # a transformers model walked in a keep_warm scope (a context per minibatch)
-        return hf.RouteRecorder(model)
     if megatron.is_megatron_model(model):
         return megatron.record_routes(model)
     return hf.record_routes(_one_module(model))
@@ -61,8 +58,6 @@ def replay_routes(
         plain = Routes._trusted(routes.indices, routes.mask, routes.layers)
         inner = replay_routes(model, plain, track_live=track_live)
         return PackedReplayer(model, routes, inner, megatron=isinstance(inner, megatron.MegatronRouteReplayer))
-    if is_warm(model):  # a transformers model walked in a keep_warm scope (a context per log-prob chunk)
-        return hf.RouteReplayer(model, routes, track_live=track_live)
     if megatron.is_megatron_model(model):
         return megatron.replay_routes(model, routes, track_live=track_live)
     return hf.replay_routes(_one_module(model), routes, track_live=track_live)

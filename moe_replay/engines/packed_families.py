@@ -18,68 +18,23 @@ from __future__ import annotations
 # `model.config.model_type` of the top-level causal LM (a multimodal family's causal LM may carry its text model's type:
 # llama4 -> llama4_text, as AutoModelForCausalLM builds it), by the transformers release (major.minor) verified
 FIVE_25: frozenset[str] = frozenset(
-    {
-        "aria_text",
-        "axk1",
-        "beam",
-        "cohere2_moe",
-        "dbrx",
-        "deepseek_v2",
-        "deepseek_v3",
-        "dots1",
-        "ergo",
-        "ernie4_5_moe",
-        "exaone_moe",
-        "flex_olmo",
-        "flint",
-        "gemma4",
-        "gemma4_text",
-        "glm4_moe",
-        "glm4_moe_lite",
-        "granitemoe",
-        "granitemoe_swa",
-        "granitemoeshared",
-        "hunyuan_v1_moe",
-        "hy_v3",
-        "jetmoe",
-        "kolibri1",
-        "kolibri1_1",
-        "laguna",
-        "llama4_text",
-        "longcat_flash",
-        "mellum",
-        "mimo_v2_flash",
-        "minicpm5_moe",
-        "minimax_m2",
-        "minimax_m3_vl_text",
-        "mixtral",
-        "olmoe",
-        "param2moe",
-        "phimoe",
-        "qwen2_moe",
-        "qwen3_moe",
-        "sarvam_mla",
-        "sarvam_moe",
-        "solar_open",
-    }
+    """
+    aria_text axk1 beam cohere2_moe dbrx deepseek_v2 deepseek_v3 dots1 ergo ernie4_5_moe exaone_moe flex_olmo
+    flint gemma4 gemma4_text glm4_moe glm4_moe_lite granitemoe granitemoe_swa granitemoeshared hunyuan_v1_moe
+    hy_v3 jetmoe kolibri1 kolibri1_1 laguna llama4_text longcat_flash mellum mimo_v2_flash minicpm5_moe
+    minimax_m2 minimax_m3_vl_text mixtral olmoe param2moe phimoe qwen2_moe qwen3_moe sarvam_mla sarvam_moe
+    solar_open
+    """.split()
 )
 VERIFIED: dict[str, frozenset[str]] = {
     "5.25": FIVE_25,
     # 5.19: those of 5.25 that it has, but llama4_text (its packed forward mixes sequences there)
     "5.19": FIVE_25
-    - {
-        "beam",
-        "ergo",
-        "flint",
-        "jetmoe",
-        "kolibri1",
-        "kolibri1_1",
-        "minicpm5_moe",
-        "param2moe",
-        "sarvam_mla",
-        "sarvam_moe",
-        "llama4_text",
-    },  # fmt: skip
+    - frozenset(
+        """
+        beam ergo flint jetmoe kolibri1 kolibri1_1 minicpm5_moe param2moe sarvam_mla sarvam_moe llama4_text
+        """.split()
+    ),  # fmt: skip
 }
 
 

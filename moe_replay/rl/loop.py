@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ..analysis import expert_change, teacher_forced_routes
-from ..engines.hf import keep_warm
 from .config import TrainConfig
 from .diagnostics import EVAL_KEYS, heldout_eval, k3_kl, mean_rows, pooled_stats
 from .logs import append_rows, truncate_rows
@@ -262,18 +261,17 @@ def train(
     bar = _bar(config.steps, f"{config.importance_sampling_level}/replay={config.replay}", progress)
     bar.update(run.step)
     done = 0
-    with keep_warm(run.model):  # its contexts reuse one walk of the model; a checkpoint saves none of it
-        while run.step < config.steps and (stop_after is None or done < stop_after):
-            logs = run.train_step()
-            append_rows(run.out / STEP_LOG, [logs["step"]])
-            append_rows(run.out / MINIBATCH_LOG, logs["minibatches"])
-            done += 1
-            if run.step % config.checkpoint_every == 0 or run.step == config.steps:
-                run.checkpoint()
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{logs['step']['reward_mean']:.3f}", clip=f"{logs['step']['clip_ratio/region_mean']:.3f}"
-            )
+    while run.step < config.steps and (stop_after is None or done < stop_after):
+        logs = run.train_step()
+        append_rows(run.out / STEP_LOG, [logs["step"]])
+        append_rows(run.out / MINIBATCH_LOG, logs["minibatches"])
+        done += 1
+        if run.step % config.checkpoint_every == 0 or run.step == config.steps:
+            run.checkpoint()
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{logs['step']['reward_mean']:.3f}", clip=f"{logs['step']['clip_ratio/region_mean']:.3f}"
+        )
     bar.close()
     return run.out
 

@@ -1,10 +1,9 @@
 """Record and replay router choices on Hugging Face transformers MoE models: what a user calls.
 
-Layout (docs/design.md walks one router call through it): `discover` finds the routers; `hub` holds the hooks of one
-model (`patch`), and its routers' `wrapper` runs each router call (`call`), whose experts are picked by the router's
-`selectors` (`sparsemixer` for PhiMoE); `facts` keeps what was learned about each router, `warm` keeps it across
-contexts in a `keep_warm` scope; `steps` and `generation` place each forward's tokens; `record` and `replay` are the
-contexts.
+Layout (docs/design.md walks one router call through it): `discover` finds the routers and `declared` says which
+classes take the fast path; `hub` holds the hooks of one model (`patch`); each `router`'s wrappers run its calls
+(`call`), whose experts are picked by its `selectors` (`sparsemixer` for PhiMoE); `steps`, `tracker` and
+`generation` place each forward's tokens; `record` and `replay` are the contexts.
 """
 
 from ...errors import ReplayError, UnsupportedGenerationError, UnsupportedModelError

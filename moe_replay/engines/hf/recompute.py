@@ -10,7 +10,7 @@ is a router call while autograd runs a backward.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +26,10 @@ from ..recompute_queue import Pending, RecomputeQueue
 from .call import RouterCall
 from .plan import Plan
 from .steps import Step
+
+if TYPE_CHECKING:
+    from .router import Router
+    from .session import Session
 
 
 def will_be_recomputed(step: Step) -> bool:
@@ -55,20 +59,19 @@ def recompute_queue(router: str) -> RecomputeQueue:
     return RecomputeQueue(router, same_plan)
 
 
-def at_router(hub: Any, session: Any, call: RouterCall, args: tuple, kwargs: dict) -> None:
-    """On entering the router module of `call` (inside any checkpoint around its layer): queue a replayed call that the
-    backward will recompute in its router's queue of `session` (session.py), or give a recompute the plan of the
-    forward it re-runs.
+def at_router(session: Session, r: Router, call: RouterCall, args: tuple, kwargs: dict) -> None:
+    """On entering router `r`'s module in `call` (inside any checkpoint around its layer): queue a replayed call that
+    the backward will recompute in the router's queue, or give a recompute the plan of the forward it re-runs.
+    `session`: the open contexts' (session.py).
 
     Example:
-        >>> at_router(hub, hub.session, call, (hidden_states,), {})  # doctest: +SKIP
+        >>> at_router(hub.session, r, call, (hidden_states,), {})  # doctest: +SKIP
     """
-    queue = session.recompute_queue(call.index)
+    queue = r.queue()
     if call.recompute:
         queued = queue.take(fingerprint(args, kwargs), recomputing())
         if queued is not None:
             call.layer, call.step, call.plan = queued.layer, queued.step, queued.routes
-            call.selectors = [make(call) for make in hub.selectors[call.index]]
         elif session.replayers:  # the forward was replayed but not seen to be checkpointed: never route it live
             raise ReplayError(
                 f"router {call.layer!r} is recomputed in the backward but no replayed forward awaits it: a "

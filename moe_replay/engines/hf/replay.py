@@ -10,7 +10,7 @@ from torch import nn
 
 from ...errors import ReplayError
 from ...layers import match_layers
-from ...routes import LayerInfo, Routes
+from ...routes import Routes
 from ..autograd import version
 from .hub import RouterHub
 from .plan import Plan
@@ -18,21 +18,6 @@ from .steps import Step
 
 SMALL_FORWARD = 1 << 20  # up to this many (token, layer, expert) entries, a forward's indices are converted at once
 SMALL_MASK = 1 << 12  # up to this many positions, a host mask is read as a list (`all_true`)
-
-
-def columns_for(hub: RouterHub, layers: tuple[LayerInfo, ...], owner: str) -> dict[str, int]:
-    """`match_layers` of the hub's routers against `layers`, kept with the model's layout (a context per minibatch
-    asks the same question each time)."""
-    kept = hub.layout.kept
-    last = kept.get("columns")  # the last answer, found without hashing every LayerInfo
-    if last is not None and last[0] is layers and last[1] == owner:
-        return last[2]
-    key = ("columns", layers, owner)
-    found = kept.get(key)
-    if found is None:
-        found = kept[key] = match_layers([s.name for s in hub.sites], layers, owner)
-    kept["columns"] = (layers, owner, found)
-    return found
 
 
 def all_true(mask: torch.Tensor) -> bool:
@@ -108,7 +93,7 @@ class RouteReplayer:
             raise RuntimeError("this replay context is already active")
         hub = RouterHub.attach(self.model, self, replay=True)
         try:
-            self._columns = columns_for(hub, self.routes.layers, type(self.model).__name__)
+            self._columns = match_layers([r.name for r in hub.routers], self.routes.layers, type(self.model).__name__)
         except ReplayError:
             hub.detach(self)
             raise

@@ -1,7 +1,7 @@
 """The ways a router picks its experts, one *selector* each, chosen per router when the routers are found.
 
-Inside a router call the hub sees every torch function of the router (and, until it learns better, of its MoE block)
-and hands the ones a selector intercepts to it. A selector records what the call selected and, under replay, returns
+Inside a router call the hub sees every torch function of the router (and, on the general path, of its MoE block) and
+hands the ones a selector intercepts to it. A selector records what the call selected and, under replay, returns
 the recorded experts instead, with values gathered from its own (live) input, so the family's weight rule runs on the
 live router scores and the router keeps its gradient. A new routing rule is one new selector (its contract is
 `Selector`'s class attributes) and one line in rules.py.
@@ -14,7 +14,6 @@ live router scores and the router keeps its gradient. A new routing rule is one 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -46,15 +45,11 @@ class Selector:
     (checked by `rules.check_rules`) and overrides what it needs:
 
     - `funcs`: the torch functions it may claim (`claims` is asked only for those);
-    - `catch_all`: it claims every call of its `funcs`, so it is offered after the selectors that claim some; a
-      router whose one top-k over each token's scores is redirected runs it alone;
-    - `carried_by_redirect`: a redirected router forward (redirect.py), which hands over only the router's own
-      `torch.topk` calls, may carry it; a router with any selector that may not is never redirected.
+    - `catch_all`: it claims every call of its `funcs`, so it is offered after the selectors that claim some.
     """
 
     funcs: frozenset = frozenset()
     catch_all: bool = False
-    carried_by_redirect: bool = False
 
     def __init__(self, call: RouterCall) -> None:
         self.call = call
@@ -67,15 +62,9 @@ class Selector:
         """Run the call: live, or forced to the plan's experts."""
         return func(*args, **kwargs)
 
-    @property
-    def active(self) -> bool:
-        """Whether the call selected experts through this selector."""
-        return False
-
-    def picked(self) -> tuple[torch.Tensor, torch.Tensor, int | None, bool] | None:
-        """What the call selected, or None: (the indices, with last dim K; what a recorder holds of them and their
-        version when they were selected, as `stream.hold` gave them; whether the indices are the router's own top-k
-        output)."""
+    def picked(self) -> tuple[torch.Tensor, int | None] | None:
+        """What the call selected, or None: the indices (last dim K) as a recorder holds them and their version when
+        they were selected, as `stream.hold` gave them."""
         return None
 
     def applied(self) -> bool:
@@ -127,12 +116,11 @@ class TopK(Selector):
 
     funcs = TOPK_FUNCS
     catch_all = True
-    carried_by_redirect = True
 
     def __init__(self, call: RouterCall) -> None:
         super().__init__(call)
-        # (last dim, k, over each token's scores, indices, `hold(indices)` as returned if the call is recorded)
-        self.seen: list[tuple[int, int, bool, torch.Tensor, tuple[torch.Tensor, int | None] | None]] = []
+        # (last dim, k, over each token's scores, `hold(indices)` as returned if the call is recorded)
+        self.seen: list[tuple[int, int, bool, tuple[torch.Tensor, int | None] | None]] = []
         self.replaced = 0
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -146,7 +134,7 @@ class TopK(Selector):
         if last and (call.record or plan is not None):
             idx = out[1]  # (held now: an edit after the top-k returned, even inside the router, is caught)
             per_token = call.step is not None and over_each_token(x, call.step.tokens)
-            self.seen.append((x.shape[-1], k, per_token, idx, hold(idx) if call.record else None))
+            self.seen.append((x.shape[-1], k, per_token, hold(idx) if call.record else None))
         return out
 
     def _observes(self) -> bool:
@@ -155,17 +143,10 @@ class TopK(Selector):
         call = self.call
         return not call.recompute and self.replaced == 0 and not any(getattr(s, "steered", 0) for s in call.selectors)
 
-    @property
-    def active(self) -> bool:
-        return bool(self.seen)
-
-    def picked(self) -> tuple[torch.Tensor, torch.Tensor, int | None, bool] | None:
+    def picked(self) -> tuple[torch.Tensor, int | None] | None:
         E = self.call.num_experts
         found = [s for s in self.seen if s[0] == E and s[2]]
-        if not found or found[-1][4] is None:
-            return None
-        held, version = found[-1][4]
-        return found[-1][3], held, version, True
+        return None if not found else found[-1][3]
 
     def applied(self) -> bool:
         return self.replaced >= 1
@@ -179,7 +160,6 @@ class GroupTopK(Selector):
     the recorded experts, and fills the rest live."""
 
     funcs = TOPK_FUNCS
-    carried_by_redirect = True
 
     def __init__(self, call: RouterCall) -> None:
         super().__init__(call)
@@ -215,17 +195,11 @@ class GroupTopK(Selector):
         self.steered += 1
         return torch.return_types.topk((x.gather(-1, idx), idx))
 
-    @property
-    def active(self) -> bool:
-        return self.steered > 0
 
-
-def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict, in_router: Callable[[], bool]) -> Any:
-    """Run torch function `func` of router call `call`: by the first of its selectors that claims it, else as is
-    (`in_router()`: whether the router module itself is running, else the call ran in its MoE block)."""
+def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run torch function `func` of router call `call`: by the first of its selectors that claims it, else as is."""
     for selector in call.selectors:
         if func in selector.funcs and selector.claims(func, args, kwargs):
-            call.outside_router |= not in_router()
             return selector.run(func, args, kwargs)
     return func(*args, **kwargs)
 

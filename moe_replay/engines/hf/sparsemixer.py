@@ -117,11 +117,7 @@ class SparsemixerPicks(Selector):
             self.picks[slot] = hold(out[1])  # (as returned: an edit before they are copied is caught)
         return out
 
-    @property
-    def active(self) -> bool:
-        return bool(self.picks) or self.replaced > 0
-
-    def picked(self) -> tuple[torch.Tensor, torch.Tensor, int | None, bool] | None:
+    def picked(self) -> tuple[torch.Tensor, int | None] | None:
         if not self.picks:
             return None
         n, picks = self.call.step.tokens, [self.picks[j] for j in sorted(self.picks)]
@@ -132,7 +128,7 @@ class SparsemixerPicks(Selector):
                     "routes would not be the experts the model used"
                 )
         picked = torch.cat([idx.reshape(n, 1) for idx, _ in picks], -1)  # (a copy)
-        return picked, picked, None, False
+        return picked, None
 
     def applied(self) -> bool:
         return self.call.plan is not None and self.replaced >= self.call.plan.top_k

@@ -19,7 +19,6 @@ import torch
 from trl import GRPOTrainer
 
 from ...engines import record_routes, replay_routes
-from ...engines.hf import keep_warm
 from ...errors import ReplayError
 from ...routes import LayerInfo, Routes
 from .layout import check_rows, routes_for_batch
@@ -85,14 +84,6 @@ class RoutingReplayGRPOTrainer(GRPOTrainer):
             refuse_stop_tokens(getattr(self, "generation_config", None), self.eos_token_ids)
             if self.rollout_func is not None:
                 self.rollout_func = taking_routes(self.rollout_func, routing_replay, self._keep_rollout_routes)
-
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """`GRPOTrainer.train`, inside a `keep_warm` scope on the policy: its contexts (one per generation, log-prob
-        chunk and loss forward) reuse what the first one learned; nothing stays on the model after the run."""
-        if self.routing_replay is None:
-            return super().train(*args, **kwargs)
-        with keep_warm(self._core(self.model)):
-            return super().train(*args, **kwargs)
 
     # ---- generation ----------------------------------------------------------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):  # noqa: ANN001, ANN202, E501

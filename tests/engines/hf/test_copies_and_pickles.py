@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from helpers import hook_count, left_padded, perturb, recorded
 
-from moe_replay import keep_warm, record_routes, replay_routes
+from moe_replay import record_routes, replay_routes
 
 OURS = ("__deepcopy__", "__reduce_ex__", "forward", "generate")  # what a context sets on a module's instance
 
@@ -71,16 +71,16 @@ def test_a_model_saved_inside_a_context_is_clean_and_the_context_goes_on(qwen, t
     assert recorded(loaded, ids, mask).equal(expected)
 
 
-def test_copies_made_inside_a_context_inside_keep_warm_are_clean_and_their_own(qwen):
-    """Inside a `keep_warm` scope, with a context open: copy.copy, deepcopy and a pickle of the model hold nothing of
-    moe-replay (found by review: the scope's state and copy hooks, bound to the original, went into a shallow copy or
-    a pickle, whose own copies then were of the original), and a copy of such a copy is of that copy."""
+def test_copies_and_pickles_of_copies_made_inside_a_context_are_clean_and_their_own(qwen):
+    """With a context open: copy.copy, deepcopy and a pickle of the model hold nothing of moe-replay (found by review:
+    copy hooks bound to the original went into a shallow copy or a pickle, whose own copies then were of the
+    original), and a copy of such a copy is of that copy."""
     import copy
     import pickle
 
     ids, mask = left_padded(2, 6, [0, 1])
     expected = recorded(qwen, ids, mask)
-    with keep_warm(qwen), record_routes(qwen) as rec:
+    with record_routes(qwen) as rec:
         copies = [copy.copy(qwen), copy.deepcopy(qwen), pickle.loads(pickle.dumps(qwen))]
         qwen(ids, attention_mask=mask)
     assert rec.routes.equal(expected)

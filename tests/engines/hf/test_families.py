@@ -15,8 +15,10 @@ from families import FamilyNotBuildable, build_tiny_model, discover_moe_families
 from helpers import perturb, sampled
 from transformers.utils import logging
 
-from moe_replay import UnsupportedModelError, find_routers, keep_warm, record_routes, replay_routes
+from moe_replay import UnsupportedModelError, find_routers, record_routes, replay_routes
 from moe_replay.engines.hf import UNSUPPORTED
+from moe_replay.engines.hf.declared import declarations
+from moe_replay.engines.hf.patch import MARKER
 
 logging.set_verbosity_error()
 
@@ -96,9 +98,8 @@ def test_unsupported_families_raise_naming_the_class(family):
     [pytest.param(f, torch.float32, id=f"{f}-fp32") for f in FAMILIES]
     + [pytest.param(f, torch.bfloat16, id=f"{f}-bf16") for f in BF16 if f in FAMILIES],
 )
-def test_generate_routes_match_teacher_forcing_and_replay_is_exact(warm, path, family, dtype):
+def test_generate_routes_match_teacher_forcing_and_replay_is_exact(path, family, dtype):
     model = build(family, dtype)
-    warm(model)  # (what its contexts learn is kept for the paths compared at the end)
     ids, mask = batch(model)
     torch.manual_seed(0)
     out, gen = sampled(model, ids, mask, 4, output_logits=True, pad_token_id=pad_id(model))
@@ -139,15 +140,40 @@ def test_replay_forces_recorded_experts_after_update(family):
     assert used.routes.equal(routes)
     assert not live.equal(routes), "perturbing every weight changed no expert choice: the check would be vacuous"
     assert not torch.equal(live_logits, forced_logits)
-    # the paths the table picks once the router class is learned (a keep_warm scope) replay exactly as the general path
+    # a declared router class (declared.py) replays exactly as the general path
     logits = {}
     for path in ("auto", "general"):
-        with keep_warm(model), pytest.MonkeyPatch.context() as env:
+        with pytest.MonkeyPatch.context() as env:
             env.setenv("MOE_REPLAY_PATH", path)
-            for _ in range(2):  # (the first context learns the class's facts, the second acts on them)
-                with replay_routes(model, routes):
-                    logits[path] = model(ids, attention_mask=mask).logits
+            with replay_routes(model, routes):
+                logits[path] = model(ids, attention_mask=mask).logits
     assert torch.equal(logits["auto"], logits["general"]) and torch.equal(logits["general"], forced_logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_declared_router_class_records_and_replays_as_the_general_path(family, monkeypatch):
+    """Every router class declared for the installed transformers (declared.py) takes its declared path on the stock
+    model, and what it records under `generate` (reading its output) and replays after an update (intercepting the
+    router alone) equals the general path's, which intercepts the whole MoE block; an undeclared class takes the
+    general path."""
+    got = {}
+    for path in ("auto", "general"):
+        monkeypatch.setenv("MOE_REPLAY_PATH", path)
+        model = build(family)  # (the same weights each time)
+        ids, mask = batch(model)
+        declared_here = type(find_routers(model)[0].router).__name__ in declarations()
+        torch.manual_seed(0)
+        with record_routes(model) as rec:
+            flags = {r.declared for r in model.__dict__[MARKER].routers}
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=True, pad_token_id=pad_id(model))
+        assert flags == {path == "auto" and declared_here}, flags
+        perturb(model, scale=0.5, seed=7, min_std=1e-2)
+        with replay_routes(model, rec.routes), record_routes(model) as used:
+            logits = model(out, attention_mask=torch.ones_like(out)).logits
+        got[path] = (out, rec.routes, used.routes, logits)
+    (out_a, rec_a, used_a, logits_a), (out_g, rec_g, used_g, logits_g) = got["auto"], got["general"]
+    assert torch.equal(out_a, out_g) and rec_a.equal(rec_g)
+    assert torch.equal(logits_a, logits_g) and used_a.equal(used_g)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,7 +1,6 @@
-"""Nothing of moe-replay stays on a model once its last context (and any `keep_warm` scope) has closed: every
-submodule holds what a twin that ran the same calls without moe-replay holds, after exceptions, copies, saves,
-nesting and scopes closed out of order; and what a `keep_warm` scope keeps is shared by nested scopes and never
-copied or saved with the model."""
+"""Nothing of moe-replay stays on a model once its last context has closed: every submodule holds what a twin that
+ran the same calls without moe-replay holds, after exceptions, copies, saves and nesting, on either path; and the
+deprecated `keep_warm` scope changes nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import io
 
 import pytest
 import torch
-from helpers import left_padded, perturb, tiny_qwen3_moe
+from helpers import left_padded, tiny_qwen3_moe
 from torch import nn
 
 from moe_replay import ReplayError, keep_warm, record_routes, replay_routes
@@ -77,20 +76,24 @@ def run_plain_and_hooked(model: nn.Module, twin: nn.Module) -> None:
         twin.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
 
 
-def test_no_context_leaves_anything_on_the_model():
+def test_no_context_leaves_anything_on_the_model(path):
     model, twin = twins()
     run_plain_and_hooked(model, twin)
     assert snapshot(model) == snapshot(twin)
 
 
-def test_a_keep_warm_scope_leaves_nothing_once_closed_even_before_its_contexts():
+def test_keep_warm_is_a_deprecated_no_op_that_still_takes_only_a_module():
+    """`keep_warm` warns DeprecationWarning, and contexts inside it, opened or closed in any order, do and leave
+    what they do without it."""
     model, twin = twins()
-    with keep_warm(model), keep_warm(model):  # nested: the inner shares the outer's state
+    with pytest.warns(DeprecationWarning, match="keep_warm is deprecated"):
+        scope = keep_warm(model)
+    with scope:
         run_plain_and_hooked(model, twin)
     assert snapshot(model) == snapshot(twin)
-
     ids, mask = left_padded(2, 6, [0, 1])
-    scope = keep_warm(model)
+    with pytest.warns(DeprecationWarning):
+        scope = keep_warm(model)
     scope.__enter__()
     context = record_routes(model)
     context.__enter__()
@@ -101,53 +104,5 @@ def test_a_keep_warm_scope_leaves_nothing_once_closed_even_before_its_contexts()
     twin(ids, attention_mask=mask)
     assert context.routes.shape[:2] == (2, 6)
     assert snapshot(model) == snapshot(twin)
-
-
-def test_a_scope_keeps_what_contexts_learned_and_shares_it_with_nested_scopes():
-    model = tiny_qwen3_moe()
-    ids, mask = left_padded(2, 6, [0, 1])
-    with keep_warm(model) as outer:
-        with torch.no_grad(), record_routes(model):
-            model(ids, attention_mask=mask)
-        learned = outer.facts
-        assert len(learned) == 2  # two routers
-        with keep_warm(model) as inner:
-            assert inner.facts == learned and inner.warm is outer.warm
-        clone = copy.deepcopy(model)  # a copy or a save made inside the scope carries none of it
-        buffer = io.BytesIO()
-        torch.save(model, buffer)
-        assert outer.facts == learned  # the inner scope's close dropped nothing
-    plain = tiny_qwen3_moe()
-    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
-    assert snapshot(clone) == snapshot(plain) == snapshot(loaded)
-    with pytest.raises(RuntimeError, match="read inside the scope"):
-        _ = outer.facts
-
-
-def test_keep_warm_refuses_to_open_inside_a_context_and_takes_only_a_module():
-    model = tiny_qwen3_moe()
-    with record_routes(model), pytest.raises(ReplayError, match="open the scope around the contexts"):
-        keep_warm(model).__enter__()
-    with pytest.raises(ValueError, match="got list"):
+    with pytest.raises(ValueError, match="got list"), pytest.warns(DeprecationWarning):
         keep_warm([model])
-
-
-def test_replays_inside_and_outside_a_scope_are_identical():
-    """The scope changes what is kept between contexts, never what a context does."""
-    model = tiny_qwen3_moe()
-    ids, mask = left_padded(3, 7, [0, 2, 1])
-    with torch.no_grad(), record_routes(model) as rec:
-        model(ids, attention_mask=mask)
-    perturb(model)
-    grads = []
-    for scoped in (False, True, True):
-        model.zero_grad()
-        with keep_warm(model) if scoped else torch.enable_grad():
-            for _ in range(2):
-                with replay_routes(model, rec.routes):
-                    out = model(ids, attention_mask=mask).logits
-                    out.square().mean().backward()
-        grads.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-    for out, grad in grads[1:]:
-        assert torch.equal(out, grads[0][0])
-        assert all(torch.equal(a, b) for a, b in zip(grad, grads[0][1], strict=True))

@@ -95,31 +95,27 @@ def test_routes_move_between_adapters_and_a_switch_inside_a_context_is_refused(q
 
 
 @pytest.mark.parametrize("target", ["gate", "mlp"])
-def test_a_scope_keeps_what_the_saved_and_the_original_router_learned_as_adapters_take_turns(qwen, target, monkeypatch):
+def test_saved_and_original_routers_taking_turns_replay_like_the_general_path(qwen, target, monkeypatch):
     """An RL loop's policy contexts (adapter on: the saved copy runs) and reference contexts (`disable_adapter`: the
-    original runs) take turns under one name: once each has been seen in both modes, no call learns again (found by
-    review: each switch replaced the one set of facts a name kept, so every context ran the general path)."""
-    from moe_replay import keep_warm
-    from moe_replay.engines.hf import paths
-    from moe_replay.engines.hf import wrapper as wrapper_module
+    original runs) take turns, in both training modes: each replays on the declared path (the copies are the stock
+    router class) exactly as on the general path."""
+    from moe_replay.engines.hf.patch import MARKER
 
     model = lora(qwen, target).eval()
     ids, mask = left_padded(2, 5, [0, 1])
     routes = recorded(model, ids, mask)
-    taken = []
-    inside = paths.in_call
-
-    def spy(*args):  # noqa: ANN002, ANN202
-        taken.append(inside(*args))
-        return taken[-1]
-
-    monkeypatch.setattr(wrapper_module, "in_call", spy)
-    with keep_warm(model), torch.no_grad():
-        for n in range(6):
-            for training in (False, True):
-                model.train(training)
-                taken.clear()
-                with model.disable_adapter() if n % 2 else contextlib.nullcontext(), replay_routes(model, routes):
-                    model(ids, attention_mask=mask)
-                assert n < 2 or paths.MODE not in taken, (n, training, taken)
+    logits = {}
+    for path in ("auto", "general"):
+        monkeypatch.setenv("MOE_REPLAY_PATH", path)
+        with torch.no_grad():
+            for n in range(4):
+                for training in (False, True):
+                    model.train(training)
+                    with model.disable_adapter() if n % 2 else contextlib.nullcontext(), replay_routes(model, routes):
+                        declared = [r.declared for r in model.__dict__[MARKER].routers]
+                        logits[path, n, training] = model(ids, attention_mask=mask).logits
+                    assert declared == [path == "auto"] * len(declared)
     model.eval()
+    for key, value in logits.items():
+        if key[0] == "auto":
+            assert torch.equal(value, logits["general", *key[1:]]), key

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import left_padded, perturb, recorded, tiny_qwen3_moe
 
-from moe_replay import ReplayError, find_routers, keep_warm, replay_routes
+from moe_replay import ReplayError, find_routers, replay_routes
 from moe_replay.engines import recompute_queue as recompute
 from moe_replay.engines.hf.patch import MARKER
 
@@ -33,21 +33,17 @@ def router_grads(model, ids, mask, routes) -> list[torch.Tensor]:  # noqa: ANN00
 
 
 def queues_empty(model) -> bool:  # noqa: ANN001
-    """Whether no call waits for its recompute in the session of the open contexts, or else whether the hub the
-    `keep_warm` scope open on the model keeps for the next context holds no session (with its queues) at all."""
+    """Whether no call waits for its recompute in the session of the open contexts (none open: no session holds
+    any, the hooks went with the last context)."""
     hub = model.__dict__.get(MARKER)
-    if hub is None:
-        with keep_warm(model) as scope:
-            return scope.warm.layout.kept["hub"].session is None
-    return all(queue.empty for queue in hub.session.pending or ())
+    return hub is None or all(queue.empty for queue in hub.session.queues())
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_a_context_closed_before_the_backward_of_a_checkpointed_forward_is_an_error(warm, reentrant):
+def test_a_context_closed_before_the_backward_of_a_checkpointed_forward_is_an_error(reentrant):
     """The recompute in the backward needs the context open: closing it first raises, naming the calls still waiting;
-    the next context (on the model's kept hub) starts with nothing waiting and replays its own backward's recompute."""
+    the next context starts with nothing waiting and replays its own backward's recompute."""
     model, ids, mask, routes = checkpointed(reentrant)
-    warm(model)  # (the hub, kept between contexts, is looked at after they close)
     expected = router_grads(model, ids, mask, routes)
     with pytest.raises(ReplayError, match=r"\d+ replayed router calls still wait for their recompute"):
         with replay_routes(model, routes):
@@ -61,12 +57,11 @@ def test_a_context_closed_before_the_backward_of_a_checkpointed_forward_is_an_er
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-def test_the_calls_a_context_queued_leave_with_it(warm, reentrant):
+def test_the_calls_a_context_queued_leave_with_it(reentrant):
     """The recomputed calls kept for a second backward (retain_graph) belong to their context: a nested replay's leave
     as it closes, while the outer context stays open, and the outer's as it closes (found by review: no test failed
     when they stayed)."""
     model, ids, mask, routes = checkpointed(reentrant)
-    warm(model)  # (the hub, kept between contexts, is looked at after they close)
     with replay_routes(model, routes):
         with replay_routes(model, routes):
             model(ids, attention_mask=mask, labels=ids, use_cache=False).loss.backward(retain_graph=True)

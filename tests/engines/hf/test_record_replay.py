@@ -19,8 +19,8 @@ from helpers import (
 )
 
 from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
-from moe_replay.engines.hf import wrapper as wrapper_module
-from moe_replay.engines.hf.facts import runs_class_methods
+from moe_replay.engines.hf import router as router_module
+from moe_replay.engines.hf.declared import own_methods
 
 
 def generate(model, ids, mask, n=6, **kw):
@@ -230,16 +230,16 @@ def test_mask_contract_holds_for_every_cache_implementation(qwen, cache):
 
 
 def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_again_after_it(
-    qwen, monkeypatch, warm, auto_path
+    qwen, monkeypatch, declared_path
 ):
-    """A recording alone reads a known router class's output (no call opened, no interception). A replay opened inside
-    it must turn that off for its forwards (else it would not be applied, with no error) and on again when it closes."""
-    warm(qwen)  # (what the first context learns is kept for the next ones)
+    """A recording alone reads a declared router class's output (no call opened, no interception). A replay opened
+    inside it must turn that off for its forwards (else it would not be applied, with no error) and on again when it
+    closes."""
     opened = []
-    begin = wrapper_module.begin_call
-    monkeypatch.setattr(wrapper_module, "begin_call", lambda hub, s, i: opened.append(i) or begin(hub, s, i))
+    begin = router_module.begin_call
+    monkeypatch.setattr(router_module, "begin_call", lambda s, r: opened.append(r.index) or begin(s, r))
     ids, mask = left_padded(3, 6, [0, 2, 1])
-    with record_routes(qwen) as rec:  # (the router class's facts are learned here)
+    with record_routes(qwen) as rec:
         qwen(ids, attention_mask=mask)
     routes = rec.routes
     perturb(qwen)
@@ -262,12 +262,12 @@ def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_
 
 
 def test_a_router_whose_forward_is_replaced_between_contexts_is_not_read_from_its_output(qwen):
-    """The class's facts say its output holds its top-k's indices; a forward replaced on the router instances after
-    they were learned (here one that remaps the expert ids it returns, out of place) must have its top-k recorded,
-    not its output: replaying the remapped ids would remap them again, with no error."""
+    """The class is declared to return its top-k's indices; a forward replaced on the router instances after a
+    context (here one that remaps the expert ids it returns, out of place) must have its top-k recorded, not its
+    output: replaying the remapped ids would remap them again, with no error."""
     ids, mask = left_padded(2, 6, [0, 2])
     with torch.no_grad(), record_routes(qwen):
-        qwen(ids, attention_mask=mask)  # (the router class's facts are learned here, on the class's forward)
+        qwen(ids, attention_mask=mask)
     perm = torch.roll(torch.arange(qwen.config.num_experts), 1)
     gates = [m for m in qwen.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
     forward = type(gates[0]).forward
@@ -286,18 +286,16 @@ def test_a_router_whose_forward_is_replaced_between_contexts_is_not_read_from_it
 
 
 def test_a_router_with_a_method_set_on_it_does_not_run_its_class_methods():
-    """`runs_class_methods`: a helper replaced on the instance is another method than the class's facts were learned
-    on; a plain callable attribute that shadows nothing, or a submodule, is not."""
+    """`own_methods`: a method of the class replaced on the instance is not the declared class's code; a plain
+    callable attribute that shadows nothing, or a submodule, is data."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    class Router(torch.nn.Module):
-        def rank(self, x):
-            return x.topk(2)
-
-    router = Router()
+    router = tiny_qwen3_moe().model.layers[-1].mlp.gate
+    assert isinstance(router, Qwen3MoeTopKRouter) and own_methods(router)
     router.act, router.proj = torch.sigmoid, torch.nn.Linear(2, 2)
-    assert runs_class_methods(router)
-    router.rank = lambda x: x.topk(2)
-    assert not runs_class_methods(router)
+    assert own_methods(router)
+    router.forward = lambda hidden: hidden
+    assert not own_methods(router)
 
 
 @pytest.mark.parametrize("which", ["indices", "mask"])

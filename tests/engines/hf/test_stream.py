@@ -107,7 +107,7 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_decode_step_adds_no_tensor_op_and_a_generate_records_what_its_steps_routed(auto_path):
+def test_a_decode_step_adds_no_tensor_op_and_a_generate_records_what_its_steps_routed(declared_path):
     """Recording under `generate` issues the same tensor ops for 3 new tokens as for 20 (decode steps are copied
     `HOLD` at a time), and what it records is what a step-by-step copy records."""
     model = tiny_qwen3_moe()
@@ -254,8 +254,8 @@ def test_a_phimoe_pick_edited_after_its_max_returned_is_refused():
     picks = SparsemixerPicks(call)
     first, second = torch.tensor([1, 2, 3]), torch.tensor([[0], [1], [2]])
     picks.picks = {0: hold(first), 1: hold(second)}
-    joined, held, version, own = picks.picked()
-    assert joined.tolist() == [[1, 0], [2, 1], [3, 2]] and held is joined and version is None and not own
+    joined, version = picks.picked()
+    assert joined.tolist() == [[1, 0], [2, 1], [3, 2]] and version is None
     second.add_(1)
     with pytest.raises(UnsupportedModelError, match="'model.layers.0.block_sparse_moe.gate''s pick 1 was changed"):
         picks.picked()
