@@ -1,25 +1,20 @@
-"""One router call: which layer and positions it is, which routes it must use, what its selectors saw, and how it
-opens and closes (`begin_call`, `end_call`), intercepted by `InterceptMode`."""
+"""One router call (`RouterCall`): which layer and positions it is, which routes it must use, what its selectors saw;
+`InterceptMode`, which hands its torch functions to them; what a context gives the hooks (`Recorder`, `Replayer`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ...errors import ReplayError
-from ..autograd import in_backward
 from .discover import RouterSite
 from .plan import Plan
 from .selectors import Selector, dispatch
 from .steps import Step
-
-if TYPE_CHECKING:
-    from .router import Router
-    from .session import Session
 
 
 @dataclass(slots=True)
@@ -132,37 +127,3 @@ class InterceptMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         return dispatch(self.call, func, args, kwargs or {})
-
-
-def begin_call(session: Session, r: Router) -> RouterCall:
-    """Open a call of router `r` in the open contexts' `session` (session.py): which layer it is, which routes it
-    must use, whether it is recorded.
-
-    Example:
-        >>> call = begin_call(hub.session, hub.session.routers[0])  # doctest: +SKIP
-    """
-    site = r.site
-    if in_backward():  # a checkpoint recompute: its plan is found when the router runs (`at_router`)
-        return RouterCall(r.index, site, site.name, None, None, record=False, recompute=True)
-    step = session.tracker.current
-    if step is None:
-        raise ReplayError(
-            f"router {site.name!r} ran outside a forward of the hooked model: call the model that was given to "
-            "record_routes / replay_routes"
-        )
-    name = r.layer(step)
-    plan = session.replayers[-1].plan(name, step) if session.replayers else None
-    return RouterCall(r.index, site, name, step, plan, record=bool(session.recorders))
-
-
-def end_call(session: Session, call: RouterCall) -> None:
-    """Close a router call of the open contexts' `session`: check its replay was applied, and hold its selection for
-    the recorders.
-
-    Example:
-        >>> end_call(hub.session, call)  # doctest: +SKIP
-    """
-    call.check_replayed()
-    if call.record:
-        held, version = call.selected()
-        session.taken.append((call.layer, held, version, call.num_experts))

@@ -20,9 +20,10 @@ from .adapters import refuse_idle
 from .call import Recorder, Replayer
 from .declared import declarations, declared
 from .generation import PACKED_GENERATION, generate_wrapper, refuse_packed
+from .hooks import block_forward, router_forward
 from .layout import Layout, model_layout
 from .patch import MARKER, Patches, drop_stale, patched_by
-from .router import Router, block_forward, make_router, router_forward
+from .router import Router, make_router
 from .rules import selectors_for
 from .session import Session
 from .steps import step_wrapper

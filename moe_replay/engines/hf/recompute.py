@@ -10,8 +10,6 @@ is a router call while autograd runs a backward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ...errors import ReplayError
@@ -23,13 +21,9 @@ from ..autograd import (
 )
 from ..fingerprint import fingerprint as tensor_fingerprint
 from ..recompute_queue import Pending, RecomputeQueue
-from .call import RouterCall
+from .call import Replayer, RouterCall
 from .plan import Plan
 from .steps import Step
-
-if TYPE_CHECKING:
-    from .router import Router
-    from .session import Session
 
 
 def will_be_recomputed(step: Step) -> bool:
@@ -59,27 +53,24 @@ def recompute_queue(router: str) -> RecomputeQueue:
     return RecomputeQueue(router, same_plan)
 
 
-def at_router(session: Session, r: Router, call: RouterCall, args: tuple, kwargs: dict) -> None:
-    """On entering router `r`'s module in `call` (inside any checkpoint around its layer): queue a replayed call that
-    the backward will recompute in the router's queue, or give a recompute the plan of the forward it re-runs.
-    `session`: the open contexts' (session.py).
+def at_router(queue: RecomputeQueue, replayer: Replayer | None, call: RouterCall, args: tuple, kwargs: dict) -> None:
+    """On entering the router module of `call` (inside any checkpoint around its layer): queue a replayed call that
+    the backward will recompute in the router's `queue`, or give a recompute the plan of the forward it re-runs.
+    `replayer`: the innermost open replay (None: none).
 
     Example:
-        >>> at_router(hub.session, r, call, (hidden_states,), {})  # doctest: +SKIP
+        >>> at_router(router.queue(), replayer, call, (hidden_states,), {})  # doctest: +SKIP
     """
-    queue = r.queue()
     if call.recompute:
         queued = queue.take(fingerprint(args, kwargs), recomputing())
         if queued is not None:
             call.layer, call.step, call.plan = queued.layer, queued.step, queued.routes
-        elif session.replayers:  # the forward was replayed but not seen to be checkpointed: never route it live
+        elif replayer is not None:  # the forward was replayed but not seen to be checkpointed: never route it live
             raise ReplayError(
                 f"router {call.layer!r} is recomputed in the backward but no replayed forward awaits it: a "
                 "checkpoint moe-replay did not recognise (other saved-tensor hooks inside it?), or a forward run "
                 "outside `with replay_routes(...)`"
             )
     elif call.plan is not None and call.step is not None and will_be_recomputed(call.step):
-        queued = Pending(
-            call.plan, fingerprint(args, kwargs), checkpoint_chain(), session.replayers[-1], call.step, call.layer
-        )
+        queued = Pending(call.plan, fingerprint(args, kwargs), checkpoint_chain(), replayer, call.step, call.layer)
         queue.add(queued)

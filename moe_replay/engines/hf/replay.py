@@ -17,20 +17,6 @@ from .plan import Plan
 from .steps import Step
 
 SMALL_FORWARD = 1 << 20  # up to this many (token, layer, expert) entries, a forward's indices are converted at once
-SMALL_MASK = 1 << 12  # up to this many positions, a host mask is read as a list (`all_true`)
-
-
-def all_true(mask: torch.Tensor) -> bool:
-    """Whether every entry of the bool host mask [B, t] is True: read as Python lists when small (a torch reduction
-    costs several microseconds more on a CPU that has just run a forward), else by `all()`.
-
-    Example:
-        >>> all_true(torch.tensor([[True, False]]))
-        False
-    """
-    if mask.numel() <= SMALL_MASK:
-        return all(map(all, mask.tolist()))  # (C loops: no Python frame per row)
-    return bool(mask.all())
 
 
 def on_host(tensor: torch.Tensor) -> bool:
@@ -170,7 +156,7 @@ class RouteReplayer:
         full = start == 0 and end == r.indices.shape[1]  # a forward of the whole routes: no slices
         mask = r.mask if full else r.mask[:, start:end]
         host = self._host_mask()
-        all_recorded = all_true(host if full else host[:, start:end])
+        all_recorded = bool((host if full else host[:, start:end]).all())
         if not all_recorded:  # a copy: a recompute in the backward reads it after the routes may have been edited
             mask = mask.clone()
         L, K, N = len(r.layers), r.indices.shape[-1], mask.numel()

@@ -33,7 +33,7 @@ class Session:
         self.recorders: list[Recorder] = []
         self.replayers: list[Replayer] = []
         # recorded router calls of the running step: (layer, its top-k's indices, their version, E), appended by the
-        # paths that record (router.read, call.end_call)
+        # paths that record (hooks.read, hooks.end_call)
         self.taken: list[Taken] = []
         self.held: list[tuple[Step, list[Taken]]] = []  # steps that returned, not yet handed over
         self.generating = 0  # generate calls on the stack (generation.py)

@@ -4,8 +4,6 @@ contexts and their router calls."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from helpers import PAD, hook_count, left_padded, recorded

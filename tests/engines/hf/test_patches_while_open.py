@@ -109,7 +109,8 @@ def test_a_router_or_block_patched_while_a_context_is_open_is_refused_or_runs_wh
 @pytest.mark.parametrize("path", ["auto", "general"])
 def test_a_router_forward_replaced_on_its_class_while_a_context_is_open_runs_from_the_next_context(path, monkeypatch):
     """The open contexts' router hooks run the forward they hooked: inside them the replaced forward does not run and
-    the routes are the experts used; the next context runs it."""
+    the routes are the experts used (a declared router refuses its changed class at its next call); the next context
+    runs it."""
     monkeypatch.setenv(ENV, path)
     model = tiny_qwen3_moe()
     ids, mask = left_padded(2, 6, [0, 1])
@@ -122,9 +123,14 @@ def test_a_router_forward_replaced_on_its_class_while_a_context_is_open_runs_fro
     with torch.no_grad(), record_routes(model) as rec:
         live = model(ids, attention_mask=mask).logits
         monkeypatch.setattr(modeling_qwen3_moe.Qwen3MoeTopKRouter, "forward", counted)
-        with replay_routes(model, rec.batches[0]):
-            assert torch.equal(model(ids, attention_mask=mask).logits, live)
-    assert seen == [] and rec.batches[1].equal(rec.batches[0])
+        if path == "auto":
+            with pytest.raises(ReplayError, match="changed while a moe-replay context was open"):
+                with replay_routes(model, rec.batches[0]):
+                    model(ids, attention_mask=mask)
+        else:
+            with replay_routes(model, rec.batches[0]):
+                assert torch.equal(model(ids, attention_mask=mask).logits, live)
+    assert seen == [] and rec.batches[-1].equal(rec.batches[0])
     with torch.no_grad(), record_routes(model) as again:
         model(ids, attention_mask=mask)
     assert len(seen) == 2 and again.routes.equal(rec.batches[0])
@@ -160,25 +166,14 @@ def test_a_name_in_the_router_s_module_patched_while_a_context_is_open_is_read_a
     assert all(torch.equal(a, b) for a, b in zip(auto, inside("general"), strict=True))
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            "auto",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: a declared router's helper replaced on its class while a context is open is run by the "
-                "hooked forward (it looks the helper up at each call), yet the router stays declared: its recorded "
-                "output (the remapped ids) is remapped again by a replay",
-            ),
-        ),
-        "general",
-    ],
-)
-def test_a_router_helper_patched_on_its_class_while_a_context_is_open_replays_as_recorded(path, monkeypatch):
+@pytest.mark.parametrize("path", ["auto", "general"])
+def test_a_router_helper_patched_on_its_class_while_a_context_is_open_replays_as_recorded_or_is_refused(
+    path, monkeypatch
+):
     """LongCat-Flash's router returns what its `get_topk_indices` helper returns; the helper, patched on the class
     inside an open recording to remap the ids it returns, is recorded by a nested recording, then replayed: the
-    replay must give the recorded logits, not remap the recorded ids again (or be refused)."""
+    replay must give the recorded logits, not remap the recorded ids again. The declared path refuses the changed
+    class at its next call (found by review: it read the remapped ids, and a replay remapped them again)."""
     monkeypatch.setenv(ENV, path)
     model = build_tiny_model("longcat_flash").eval()
     ids = torch.randint(5, 100, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -191,12 +186,13 @@ def test_a_router_helper_patched_on_its_class_while_a_context_is_open_replays_as
     with torch.no_grad(), record_routes(model) as outer:
         model(ids)
         monkeypatch.setattr(cls, "get_topk_indices", remapped)
+        if path == "auto":
+            with pytest.raises(ReplayError, match="changed while a moe-replay context was open"):
+                model(ids)
+            return
         with record_routes(model) as rec:
             expected = model(ids).logits
         assert not torch.equal(rec.routes.indices, outer.batches[0].indices)  # (the patch changed the experts)
-        try:
-            with replay_routes(model, rec.routes):
-                replayed = model(ids).logits
-        except ReplayError:
-            return  # refused: as good as replayed
+        with replay_routes(model, rec.routes):
+            replayed = model(ids).logits
     assert torch.equal(replayed, expected)

@@ -19,7 +19,7 @@ from helpers import (
 )
 
 from moe_replay import LayerInfo, ReplayError, Routes, record_routes, replay_routes
-from moe_replay.engines.hf import router as router_module
+from moe_replay.engines.hf import hooks as hooks_module
 from moe_replay.engines.hf.declared import own_methods
 
 
@@ -236,8 +236,8 @@ def test_a_replay_inside_a_recording_is_applied_and_the_recording_reads_outputs_
     inside it must turn that off for its forwards (else it would not be applied, with no error) and on again when it
     closes."""
     opened = []
-    begin = router_module.begin_call
-    monkeypatch.setattr(router_module, "begin_call", lambda s, r: opened.append(r.index) or begin(s, r))
+    begin = hooks_module.begin_call
+    monkeypatch.setattr(hooks_module, "begin_call", lambda s, r: opened.append(r.index) or begin(s, r))
     ids, mask = left_padded(3, 6, [0, 2, 1])
     with record_routes(qwen) as rec:
         qwen(ids, attention_mask=mask)

@@ -115,16 +115,6 @@ def test_the_experts_get_contiguous_indices_under_replay_as_from_a_live_top_k(mo
     assert torch.equal(torch.stack([idx.reshape(2, 8, -1) for idx in given], 2), routes.indices.long())
 
 
-@pytest.mark.parametrize("shape", [(2, 9), (3, 2000)])  # read as lists, and by a torch reduction (over SMALL_MASK)
-def test_whether_a_span_is_all_recorded_is_read_alike_for_small_and_large_masks(shape):
-    mask = torch.ones(shape, dtype=torch.bool)
-    assert (mask.numel() > replay_module.SMALL_MASK) == (shape[1] == 2000)
-    assert replay_module.all_true(mask) and replay_module.all_true(mask[:, 3:7])  # whole, and a strided slice
-    mask[-1, 5] = False
-    assert not replay_module.all_true(mask) and not replay_module.all_true(mask[:, 3:7])
-    assert replay_module.all_true(mask[:, :5]) and replay_module.all_true(mask[:-1])
-
-
 @pytest.mark.parametrize("which", ["indices", "mask"])
 def test_routes_whose_tensors_are_replaced_inside_a_context_are_refused(which):
     """A context converts its routes once per span and reuses that while their version counters are unchanged: a
