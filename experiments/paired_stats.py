@@ -53,6 +53,22 @@ def paired(gaps: Sequence[float]) -> dict[str, float | int | str]:
     }
 
 
+def detectable_effect(gaps: Sequence[float] | pd.Series, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true mean gap a paired t-test over these seeds would find (two-sided `alpha`) with probability
+    `power`, were the gaps' sd the one observed: (t_{1−α/2, n−1} + t_{power, n−1}) × sd / √n. NaN under 2 seeds.
+
+    Example:
+        >>> round(detectable_effect([0.03, 0.05, 0.01, 0.04]), 3)
+        0.036
+    """
+    x = np.asarray([g for g in gaps if g == g], dtype=float)
+    n = len(x)
+    if n < 2:
+        return math.nan
+    df = n - 1
+    return float((stats.t.ppf(1 - alpha / 2, df) + stats.t.ppf(power, df)) * x.std(ddof=1) / math.sqrt(n))
+
+
 def gap_columns(gaps: Sequence[float] | pd.Series, name: str = "gap_to_grpo") -> dict[str, float | str]:
     """`paired(gaps)` as a summary table's columns, prefixed by `name`: mean, standard error, sd, seeds ahead (k/n),
     the paired t-test's p and the sign test's p.

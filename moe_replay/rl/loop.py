@@ -33,14 +33,24 @@ WARM_START_FILE = "warm_start.json"  # in `init`: the settings it was warm-start
 WARM_START_SETTINGS = ("policy", "seed", "task", "task_size", "warm_start_steps", "warm_start_lr", "warm_start_target")
 # called before each minibatch update with (model, batch, minibatch j from 0, its answer indices): metrics to log
 Observer = Callable[[nn.Module, Any, int, torch.Tensor], dict[str, float]]
+# an external sampler: (model, prompts [N, Tp], answer_len, step from 0) -> sequences [N, Tp + A], its log-probs of the
+# sampled tokens [N, A], its routes or None (`rollout`'s `sample`, told the step; e.g. integrations.vllm_sampler)
+LoopSample = Callable[[nn.Module, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, Any]]
 
 
 class Run:
     """One training run (see `train`)."""
 
-    def __init__(self, config: TrainConfig, observe: Observer | None = None) -> None:
+    def __init__(self, config: TrainConfig, observe: Observer | None = None, sample: LoopSample | None = None) -> None:
+        simulated = (config.rollout_dtype, config.rollout_weight_quant, config.rollout_selection_noise)
+        if sample is not None and simulated != ("float32", "none", 0.0):
+            raise ValueError(
+                "an external `sample` is the sampler: leave rollout_dtype, rollout_weight_quant and "
+                f"rollout_selection_noise at their defaults (got {simulated})"
+            )
         self.cfg = config
         self.observe = observe
+        self.sample = sample
         self.out = Path(config.output)
         self.task = Task(config.task, config.task_size)
         self.step = 0
@@ -133,6 +143,11 @@ class Run:
         t0 = time.perf_counter()
         rates = set_learning_rates(self.opt, cfg, self.step)
         prompts, answers = self.task.sample(cfg.prompts, self.task_gen, exclude=self.exclude)
+        step, sample = self.step, self.sample
+        external = None if sample is None else lambda m, p, a: sample(m, p, a, step)
+        noise = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        sampler = None if sample is not None else make_sampler(model, cfg.rollout_dtype, cfg.rollout_weight_quant,
+                                                   cfg.rollout_selection_noise, noise)  # fmt: skip
         batch = rollout(
             model,
             self.task,
@@ -140,13 +155,8 @@ class Run:
             answers,
             group_size=cfg.group_size,
             replay=cfg.replay,
-            sampler=make_sampler(
-                model,
-                cfg.rollout_dtype,
-                cfg.rollout_weight_quant,
-                cfg.rollout_selection_noise,
-                torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step),
-            ),  # fmt: skip
+            sampler=sampler,
+            sample=external,
             partial_credit=cfg.partial_credit,
             old_logprob_source=cfg.old_logprob_source,
             correction=cfg.sampler_correction,
@@ -161,10 +171,12 @@ class Run:
             **mismatch_metrics(batch.trainer_logp, batch.sampler_logp, batch.mask),
         }
         live = teacher_forced_routes(model, batch.sequences) if cfg.diagnostics else None
+        sampled = batch.routes is not None  # (an external sampler may return no routes)
         if live is not None:
-            mismatch = expert_change(batch.routes, live)
-            row["mismatch/fraction"] = mismatch.fraction
-            row["mismatch/token_changed"] = mismatch.token_changed
+            if sampled:
+                mismatch = expert_change(batch.routes, live)
+                row["mismatch/fraction"] = mismatch.fraction
+                row["mismatch/token_changed"] = mismatch.token_changed
             before = batch.trainer_logp if cfg.replay == "off" else self._live_logp(batch)
 
         mb_rows, flags = [], []
@@ -188,7 +200,8 @@ class Run:
             mb = {"step": self.step + 1, "minibatch": j, **metrics, **seen}
             if live is not None:
                 # how far the live routing of the model this minibatch trained has moved from the sampled routes
-                mb["routes_moved_since_rollout"] = expert_change(batch.routes, live).fraction
+                if sampled:
+                    mb["routes_moved_since_rollout"] = expert_change(batch.routes, live).fraction
                 after = teacher_forced_routes(model, batch.sequences)
                 mb["expert_change"] = expert_change(live, after).fraction
                 live = after
@@ -198,7 +211,8 @@ class Run:
         row.update(pooled_stats(flags[:1], "first_minibatch"))
         row.update(pooled_stats(flags[1:], "later_minibatches"))
         if live is not None:
-            row["routes_moved_since_rollout/last_minibatch"] = mb_rows[-1]["routes_moved_since_rollout"]
+            if sampled:
+                row["routes_moved_since_rollout/last_minibatch"] = mb_rows[-1]["routes_moved_since_rollout"]
             row["policy/kl_consecutive"] = k3_kl(before, self._live_logp(batch), batch.mask)
         self.step += 1
         if cfg.eval_every:  # every row has the eval columns (a CSV keeps its first row's header): NaN between evals
@@ -244,6 +258,7 @@ def train(
     progress: bool = True,
     stop_after: int | None = None,
     observe: Observer | None = None,
+    sample: LoopSample | None = None,
 ) -> Path:
     """Run (or resume) RL training; returns the output directory holding steps.csv, minibatches.csv, checkpoint/.
 
@@ -251,12 +266,16 @@ def train(
     batch, j, idx)`, if given, is called before each minibatch update (j from 0, `idx` its answers, the model at the
     weights that update starts from); the metrics it returns go into that minibatch's row (and their means over the
     minibatches that returned them into the step's). It must leave the weights and the RNG as they are.
+    `sample(model, prompts, answer_len, step)`, if given, samples each step's answers instead of the loop's own
+    sampler (an inference engine, e.g. `integrations.vllm_sampler.VLLMSampler`; see `rollout`'s `sample`): it gets
+    the trainer at the sampling weights, the prompts repeated `group_size` times and the step (from 0), and must leave
+    the weights and the RNG as they are (a resumed run then logs what the first would have).
 
     Example:
         >>> out = train(TrainConfig(steps=50, replay="rollout"))  # doctest: +SKIP
         >>> import pandas as pd; pd.read_csv(out / "steps.csv").reward_mean.tail()  # doctest: +SKIP
     """
-    run = Run(config, observe)
+    run = Run(config, observe, sample)
     run.setup(resume, progress)
     bar = _bar(config.steps, f"{config.importance_sampling_level}/replay={config.replay}", progress)
     bar.update(run.step)

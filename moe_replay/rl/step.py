@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,10 @@ from .replay_bias import replay_bias, router_gradients, router_parameters
 from .sampler import correction_weights, off_policy_mask, sample_with_logp
 from .tasks import Task
 
+# an external sampler (an inference engine): (model, prompts [N, Tp], answer_len) -> sequences [N, Tp + A], its own
+# log-probs of the sampled tokens [N, A] and the routes it used (None if it returns none)
+Sample = Callable[[nn.Module, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor, Routes | None]]
+
 
 @dataclass
 class Rollout:
@@ -35,7 +40,8 @@ class Rollout:
     Attributes:
         sequences: [N, Tp + A] prompt and sampled answer token ids.
         prompt_len: Tp, the tokens per prompt (BOS included).
-        routes: `Routes` [N, Tp + A, L, K] that the sampler recorded while sampling.
+        routes: `Routes` [N, Tp + A, L, K] that the sampler recorded while sampling (None: an external `sample`
+            returned none).
         rewards: [N] rewards (per-position partial credit where asked).
         exact: [N] 1.0 where the answer is exactly right.
         advantages: [N] group-normalised rewards, (R - mean) / std within each prompt's G answers.
@@ -55,7 +61,7 @@ class Rollout:
 
     sequences: torch.Tensor
     prompt_len: int
-    routes: Routes
+    routes: Routes | None
     rewards: torch.Tensor
     exact: torch.Tensor
     advantages: torch.Tensor
@@ -108,6 +114,7 @@ def rollout(
     group_size: int,
     replay: str = "off",
     sampler: nn.Module | None = None,
+    sample: Sample | None = None,
     partial_credit: bool = True,
     old_logprob_source: str = "trainer",
     correction: str = "none",
@@ -122,7 +129,9 @@ def rollout(
     - "old_logprob" (R2): that forward routes live and is recorded; the updates replay those routes.
 
     `sampler` samples instead of `model` (e.g. a bf16 or fp8-rounded copy: a sampler/trainer mismatch); sampling
-    draws from the global torch RNG. π_old is the trainer's log-probs from that forward (`old_logprob_source`
+    draws from the global torch RNG. `sample(model, prompts, answer_len)` samples instead of both (an inference
+    engine: `moe_replay.integrations.vllm_sampler`), returning the sequences, its log-probs and its routes (or
+    None: then "rollout" replay is refused). π_old is the trainer's log-probs from that forward (`old_logprob_source`
     "trainer") or the sampler's own ("sampler"). `correction` (see `sampler.correction_weights`, bounds
     `correction_clip` = (min, max)) weights the updates by exp(log p_trainer − log p_sampler) from that forward.
 
@@ -138,11 +147,16 @@ def rollout(
         raise ValueError(f"old_logprob_source must be 'trainer' or 'sampler', got {old_logprob_source!r}")
     prompts = prompts.repeat_interleave(group_size, 0)
     answers = answers.repeat_interleave(group_size, 0)
-    sampler = model if sampler is None else sampler
-    sampler.eval()
-    with record_routes(sampler) as rec:
-        seq, sampler_logp = sample_with_logp(sampler, prompts, task.answer_len)
-    routes = rec.routes
+    if sample is not None:
+        if sampler is not None:
+            raise ValueError("rollout takes a sampler model or a sample function, not both")
+        seq, sampler_logp, routes = sampled_externally(sample, model, prompts, task.answer_len, replay)
+    else:
+        sampler = model if sampler is None else sampler
+        sampler.eval()
+        with record_routes(sampler) as rec:
+            seq, sampler_logp = sample_with_logp(sampler, prompts, task.answer_len)
+        routes = rec.routes
     tp = prompts.shape[1]
     completions = seq[:, tp:]
     rewards = task.reward(completions, answers, partial=partial_credit)
@@ -166,6 +180,33 @@ def rollout(
     return Rollout(
         seq, tp, routes, rewards, exact, advantages, old, mask, replay, train_routes, sampler_logp, trainer, weights
     )
+
+
+def sampled_externally(
+    sample: Sample, model: nn.Module, prompts: torch.Tensor, answer_len: int, replay: str
+) -> tuple[torch.Tensor, torch.Tensor, Routes | None]:
+    """`sample(model, prompts, answer_len)`, checked: sequences [N, Tp + A] that start with `prompts` [N, Tp],
+    log-probs [N, A] (returned as float32), and routes over those sequences (required for "rollout" replay).
+
+    Example:
+        >>> seq, logp, routes = sampled_externally(engine, model, prompts, 4, "rollout")  # doctest: +SKIP
+    """
+    seq, logp, routes = sample(model, prompts, answer_len)
+    n, tp = prompts.shape
+    if tuple(seq.shape) != (n, tp + answer_len) or not torch.equal(seq[:, :tp], prompts):
+        raise ValueError(
+            f"sample returned sequences of shape {list(seq.shape)}: expected the {n} prompts [{n}, {tp}], each "
+            f"followed by {answer_len} tokens"
+        )
+    if tuple(logp.shape) != (n, answer_len):
+        raise ValueError(f"sample returned log-probs of shape {list(logp.shape)}, expected [{n}, {answer_len}]")
+    if routes is None and replay == "rollout":
+        raise ValueError("replay='rollout' replays the sampler's routes, but sample returned none")
+    if routes is not None and tuple(routes.shape[:2]) != (n, tp + answer_len):
+        raise ValueError(
+            f"sample returned routes over [B, T] = {list(routes.shape[:2])}, expected [{n}, {tp + answer_len}]"
+        )
+    return seq, logp.float(), routes
 
 
 def minibatch_update(
