@@ -31,8 +31,7 @@ def in_backward() -> bool:
 
 
 def version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter (bumped by every in-place edit), or None for a tensor made in
-    `torch.inference_mode()`, whose edits are not counted.
+    """The tensor's version counter (bumped by each in-place edit), or None for an inference tensor (edits not counted).
 
     Example:
         >>> version(torch.zeros(2).add_(1))
@@ -45,8 +44,7 @@ def version(tensor: torch.Tensor) -> int | None:
 
 
 def versions(tensors: list[torch.Tensor]) -> list[int | None]:
-    """`version` of each of `tensors`, read in one pass (a recorder compares the version of every held top-k as it
-    copies them).
+    """`version` of each of `tensors`, read in one pass (a recorder checks every held top-k as it copies them).
 
     Example:
         >>> versions([torch.zeros(2), torch.zeros(2).add_(1)])
@@ -74,30 +72,23 @@ def inside_reentrant_checkpoint() -> bool:
 
 
 def checkpoint_chain() -> tuple[weakref.ref, ...]:
-    """Weak references to what identifies the activation checkpoints around the running code: the frame of the
-    innermost non-reentrant checkpoint whose saved-tensor hooks are active, then, innermost first, the autograd node
-    (the `ctx`) of each reentrant checkpoint whose first forward is on the call stack and the frame of each
-    `torch.utils.checkpoint.checkpoint` (non-reentrant) there. A recompute in the backward is then
-    told from another forward's, even one with identical input, by `recomputing()`.
+    """Weak references to the activation checkpoints around the running code (see `recomputing()`): the frame of the
+    innermost non-reentrant one whose saved-tensor hooks are active, then, innermost first, each reentrant one's
+    autograd node (`ctx`) and each non-reentrant `torch.utils.checkpoint.checkpoint`'s frame, on the call stack.
 
     Example:
         >>> checkpoint_chain()
         ()
     """
-    found = []
     hook_frame = _checkpoint_frame()  # (the innermost non-reentrant one, whatever began it)
-    if hook_frame is not None:
-        found.append(hook_frame)
-    frame = sys._getframe(1)
+    found, frame = [] if hook_frame is None else [hook_frame], sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_qualname.endswith(REENTRANT_FORWARD):
-            ctx = frame.f_locals.get("ctx")
-            if isinstance(ctx, torch.autograd.function.BackwardCFunction):
+            if isinstance(ctx := frame.f_locals.get("ctx"), torch.autograd.function.BackwardCFunction):
                 found.append(ctx)
-        elif code.co_filename == CHECKPOINT_FILE and CHECKPOINT_GENERATOR in code.co_varnames:
-            outer = _generator_frame(frame)  # a non-reentrant `torch.utils.checkpoint.checkpoint`
-            if outer is not None and outer is not hook_frame:
+        elif code.co_filename == CHECKPOINT_FILE and CHECKPOINT_GENERATOR in code.co_varnames:  # (non-reentrant)
+            if (outer := _generator_frame(frame)) is not None and outer is not hook_frame:
                 found.append(outer)
         frame = frame.f_back
     refs = []
@@ -110,10 +101,8 @@ def checkpoint_chain() -> tuple[weakref.ref, ...]:
 
 
 def _generator_frame(frame: object) -> object | None:
-    """The `_CheckpointFrame` of the non-reentrant checkpoint whose call runs in `frame` (torch's checkpoint.py), read
-    from the generator it holds; None if it holds none (yet)."""
-    gen = frame.f_locals.get(CHECKPOINT_GENERATOR)
-    state = getattr(gen, "gi_frame", None)
+    """The `_CheckpointFrame` of the non-reentrant checkpoint called in `frame`, from its generator, or None."""
+    state = getattr(frame.f_locals.get(CHECKPOINT_GENERATOR), "gi_frame", None)
     return state.f_locals.get(CHECKPOINT_STATE) if state is not None else None
 
 
@@ -139,9 +128,8 @@ def freed(chain: tuple[weakref.ref, ...]) -> bool:
 
 
 def recomputing() -> object | None:
-    """What identifies the checkpoint whose recompute is running (an entry of some `checkpoint_chain()` taken in its
-    first forward): the innermost on the call stack of a non-reentrant checkpoint's unpack hook (its frame) and a
-    reentrant checkpoint's backward (its autograd node); None outside both.
+    """What identifies the checkpoint whose recompute is running (an entry of its first forward's `checkpoint_chain()`):
+    the innermost non-reentrant one's frame (in its unpack hook) or reentrant one's autograd node (in its backward).
 
     Example:
         >>> recomputing() is None
@@ -150,10 +138,8 @@ def recomputing() -> object | None:
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_qualname
-        if name.endswith(REENTRANT_BACKWARD):
-            ctx = frame.f_locals.get("ctx")
-            if is_reentrant_node(ctx):
-                return ctx
+        if name.endswith(REENTRANT_BACKWARD) and is_reentrant_node(ctx := frame.f_locals.get("ctx")):
+            return ctx
         elif name == NON_REENTRANT_UNPACK and frame.f_code.co_filename == CHECKPOINT_FILE:
             return frame.f_locals.get("frame")
         frame = frame.f_back
@@ -172,8 +158,7 @@ def is_reentrant_node(node: object) -> bool:
 
 
 def checkpoint_pack_hook() -> object | None:
-    """The active saved-tensor pack hook (unwrapped) if `torch.utils.checkpoint`'s non-reentrant checkpoint set it,
-    that is while the first forward of such a checkpoint runs; else None.
+    """The active saved-tensor pack hook (unwrapped) while a non-reentrant checkpoint's first forward runs, else None.
 
     Example:
         >>> checkpoint_pack_hook() is None
@@ -183,16 +168,12 @@ def checkpoint_pack_hook() -> object | None:
     if hooks is None:
         return None
     pack = inspect.unwrap(hooks[0])
-    if getattr(pack, "__module__", "") == CHECKPOINT_MODULE and getattr(pack, "__qualname__", "").startswith(
-        CHECKPOINT_HOOK + "."
-    ):
-        return pack
-    return None
+    ours = getattr(pack, "__module__", "") == CHECKPOINT_MODULE
+    return pack if ours and getattr(pack, "__qualname__", "").startswith(CHECKPOINT_HOOK + ".") else None
 
 
 def _checkpoint_frame() -> object | None:
-    """The frame (torch's `_CheckpointFrame`) of the non-reentrant checkpoint whose pack hook is active, read from the
-    hook's closure; None outside one."""
+    """The `_CheckpointFrame` of the non-reentrant checkpoint whose pack hook is active (from its closure), or None."""
     pack = checkpoint_pack_hook()
     code = getattr(pack, "__code__", None)
     if code is None or "frame" not in code.co_freevars:

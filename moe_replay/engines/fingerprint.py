@@ -12,12 +12,10 @@ MATCH_RTOL = 1e-3  # a recompute reproduces its forward's input up to nondetermi
 
 
 def fingerprint(x: torch.Tensor) -> torch.Tensor | None:
-    """`FINGERPRINT` elements of `x` (a float32 copy), or None for an empty tensor.
-
-    They are spread over rows, positions and features alike: element k * round(n (sqrt(5) - 1) / 2) mod n of the n
-    (a golden-ratio sequence, picked on the input's device). Evenly spaced ones lined up with the rows (at B = 64, the
-    first position of each row, alike across batches that share their first token). Its ops run outside any dispatch
-    mode, so that selective activation checkpointing neither saves nor expects them.
+    """`FINGERPRINT` elements of `x` (a float32 copy), or None for an empty tensor: a golden-ratio sequence over its n
+    elements (picked on its device), spread over rows, positions and features alike (evenly spaced ones lined up with
+    the rows: at B = 64, each row's first position, alike across batches that share their first token). Its ops run
+    outside any dispatch mode, so that selective activation checkpointing neither saves nor expects them.
 
     Example:
         >>> fingerprint(torch.arange(8.0).reshape(2, 4)).tolist()
@@ -29,9 +27,7 @@ def fingerprint(x: torch.Tensor) -> torch.Tensor | None:
         flat, n = x.detach().reshape(-1), x.numel()
         if n <= FINGERPRINT:
             return flat.float().clone()
-        step = round(n * GOLDEN)
-        picks = torch.arange(FINGERPRINT, device=flat.device).mul_(step).remainder_(n)
-        return flat[picks].float()
+        return flat[torch.arange(FINGERPRINT, device=flat.device).mul_(round(n * GOLDEN)).remainder_(n)].float()
 
 
 def matches(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -44,6 +40,4 @@ def matches(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None or a.shape != b.shape:
         return False
     with _disable_current_modes(), torch.no_grad():
-        b = b.to(a.device)
-        scale = float(a.abs().max()) or 1.0
-        return float((a - b).abs().max()) <= MATCH_RTOL * scale
+        return float((a - b.to(a.device)).abs().max()) <= MATCH_RTOL * (float(a.abs().max()) or 1.0)

@@ -1,17 +1,14 @@
 """`replay_routes(model, packed)`: a packed row's routes (`to_packed`), replayed only on a forward that runs the row
 as packed sequences, so that no sequence's tokens attend to another's.
 
-Hugging Face transformers (5.x) treats a row as packed sequences only when the forward gets `position_ids` that
-restart per sequence, no attention mask and no KV cache (`masking_utils.find_packed_sequence_indices`); with the
-default `use_cache` (a cache made for the forward) or any attention mask the sequences silently attend to each other,
-and the replayed routes then belong to another computation. Even then, families whose layers carry state along the
-row (state-space, linear or compressed attention) or build masks without `position_ids` mix the sequences: only the
-families verified for the installed transformers release (`packed_families()`, each checked against its padded
-forward by the family test) are accepted, any other refused by name, and every family under a release not verified.
-Each outermost forward of a tracked model (the model given, or an inner transformers model holding all its routers,
-such as `model.model`) is checked before it runs, naming what is wrong. megatron-core runs a packed row through
-`PackedSeqParams(qkv_format="thd")`, checked on the model given.
-"""
+transformers (5.x) runs a row as packed sequences only given `position_ids` that restart per sequence, no attention
+mask and no KV cache (`masking_utils.find_packed_sequence_indices`); else (`use_cache`'s default included) they
+silently attend to each other, and the replayed routes belong to another computation. Families whose layers carry
+state along the row (state-space, linear or compressed attention) or build masks without `position_ids` mix them even
+then: only the families verified for the installed release (`packed_families()`, each checked against its padded
+forward by the family test) are accepted. Each outermost forward of a tracked model (the model given, or an inner
+transformers model holding all its routers, such as `model.model`) is checked before it runs; a megatron-core one
+must run the row through `PackedSeqParams(qkv_format="thd")`, checked on the model given."""
 
 from __future__ import annotations
 
@@ -23,20 +20,19 @@ from torch import nn
 
 from ..errors import ReplayError
 from ..routes.packed import PackedRoutes
+from .hf.tracker import bind
 from .packed_families import VERIFIED, packed_families
 
 CACHES = ("cache", "past_key_values", "cache_params")  # what transformers' forwards call a KV (or state) cache
 
 
 class PackedReplayer:
-    """Context manager returned by `replay_routes(model, packed_routes)`: the replay of the packed row's routes
-    (attributes such as `live_moved` are the inner replay's), with each forward of `model` checked to run the row as
-    those packed sequences."""
+    """Context manager returned by `replay_routes(model, packed_routes)`: the inner replay (`live_moved` and its other
+    attributes), with each forward of `model` checked to run the row as those packed sequences."""
 
     def __init__(self, model: nn.Module, routes: PackedRoutes, inner: Any, megatron: bool) -> None:
         self.model, self.routes, self.inner, self.megatron = model, routes, inner, megatron
-        self._starts = list(routes.cu_seqlens_padded)
-        self._handle = None
+        self._starts, self._handle = list(routes.cu_seqlens_padded), None
 
     def __enter__(self) -> PackedReplayer:
         if self.megatron:
@@ -67,8 +63,7 @@ class PackedReplayer:
     def _check_family(self) -> None:
         import transformers
 
-        family = getattr(getattr(self.model, "config", None), "model_type", None)
-        accepted = packed_families()
+        family, accepted = getattr(getattr(self.model, "config", None), "model_type", None), packed_families()
         if not accepted:
             raise ReplayError(
                 f"packed routes replayed under transformers {transformers.__version__}, a release whose families "
@@ -88,8 +83,7 @@ class PackedReplayer:
         bound = bound_arguments(forward, args, kwargs)
         module = getattr(forward, "__self__", None)  # (the tracked model whose forward this is; else the one given)
         config = getattr(module if isinstance(module, nn.Module) else self.model, "config", None)
-        use_cache = bound.get("use_cache")
-        why = None
+        use_cache, why = bound.get("use_cache"), None
         if bound.get("attention_mask") is not None:
             why = "it was given an attention_mask (pass attention_mask=None)"
         elif any(bound.get(name) is not None for name in CACHES):
@@ -108,15 +102,12 @@ class PackedReplayer:
 
     def _check_positions(self, position_ids: torch.Tensor) -> None:
         """position_ids must restart exactly where the packed sequences start."""
-        found = position_ids.reshape(-1)
-        N = self.routes.seq_len
-        starts = self._starts
+        found, N, starts = position_ids.reshape(-1), self.routes.seq_len, self._starts
         expected = torch.cat([torch.arange(b - a) for a, b in zip(starts[:-1], starts[1:], strict=True)])
         expected = torch.cat([expected, torch.arange(N - starts[-1])]) if N > starts[-1] else expected
         if found.numel() != N:
             raise ReplayError(f"the forward has {found.numel()} position_ids but the packed routes {N} positions")
-        wrong = (found.cpu() != expected).nonzero()
-        if wrong.numel():
+        if (wrong := (found.cpu() != expected).nonzero()).numel():
             t = int(wrong[0])
             raise ReplayError(
                 f"the forward's position_ids do not restart where the packed routes' sequences start "
@@ -133,10 +124,9 @@ class PackedReplayer:
                 "row would run as one sequence"
             )
         for side in ("q", "kv"):
-            padded = getattr(params, f"cu_seqlens_{side}_padded")
-            cu = padded if padded is not None else getattr(params, f"cu_seqlens_{side}")
-            if cu is None or cu.reshape(-1).tolist() != self._starts:
-                found = None if cu is None else cu.reshape(-1).tolist()
+            cu = getattr(params, f"cu_seqlens_{side}_padded")
+            cu = cu if cu is not None else getattr(params, f"cu_seqlens_{side}")
+            if (found := None if cu is None else cu.reshape(-1).tolist()) != self._starts:
                 raise ReplayError(
                     f"the forward's PackedSeqParams have cu_seqlens_{side} {found} but the packed routes' sequences "
                     f"start at {self._starts}"
@@ -145,9 +135,4 @@ class PackedReplayer:
 
 def bound_arguments(forward: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """A call's arguments by parameter name, a `**kwargs` parameter's flattened among them (a wrapper's keywords)."""
-    sig = inspect.signature(forward)
-    bound = dict(sig.bind_partial(*args, **kwargs).arguments)
-    for p in sig.parameters.values():
-        if p.kind == inspect.Parameter.VAR_KEYWORD and p.name in bound:
-            bound.update(bound.pop(p.name))
-    return bound
+    return bind(inspect.signature(forward), args, kwargs)

@@ -1,14 +1,12 @@
-"""The replayed router calls that the backward will recompute (activation checkpointing): one queue per router, used
-by both engines (hf/recompute.py, megatron/replay.py).
+"""The replayed router calls that the backward will recompute (activation checkpointing): one queue per router.
 
 A replayed call made inside a checkpoint's first forward is queued with what it replayed, a fingerprint of the
 router's input (fingerprint.py) and the checkpoints around it (`autograd.checkpoint_chain`). A recompute takes the
 call queued inside the checkpoint being recomputed (`autograd.recomputing`), else the one whose input it reproduces,
-oldest first, in any backward order; it is kept (at most `keep_done` of them) for a second recompute of the same call
+oldest first, in any backward order; it is kept (at most `keep_done`) for a second recompute of the same call
 (`retain_graph=True`, nested checkpoints). A recompute that matches none, or several that replayed different routes,
 or a reentrant checkpoint's whose first forward queued none, raises; a call whose checkpoints were all freed
-unrecomputed is forgotten.
-"""
+unrecomputed is forgotten."""
 
 from __future__ import annotations
 
@@ -23,23 +21,19 @@ from ..errors import ReplayError
 from .autograd import checkpoint_chain, freed, is_reentrant_node, within
 from .fingerprint import FINGERPRINT, matches
 
-# recomputed calls kept per router for a second recompute (retain_graph, nested checkpoints), those whose checkpoints
-# were freed let go first: a second backward over more checkpointed forwards of one context is refused
-KEEP_DONE = 256
+KEEP_DONE = 256  # recomputed calls kept per router for a second recompute (`_keep`; past it one is refused)
 
 
 @dataclass
 class Pending:
-    """A replayed router call the backward will recompute: what it replayed (`routes`: the Hugging Face engine's
-    `Plan`, megatron's rows and mask), the fingerprint of its input, the checkpoints around it (and around its
-    recomputes), the context that queued it, and the forward (`step`) and layer name it ran as (Hugging Face)."""
+    """A replayed router call the backward will recompute."""
 
-    routes: Any
-    fingerprint: torch.Tensor | None
-    checkpoints: tuple = ()
-    owner: Any = None
-    step: Any = None
-    layer: str = ""
+    routes: Any  # what it replayed: the Hugging Face engine's `Plan`, megatron's rows and mask
+    fingerprint: torch.Tensor | None  # of its input
+    checkpoints: tuple = ()  # around it (and around its recomputes)
+    owner: Any = None  # the context that queued it
+    step: Any = None  # the forward it ran in (Hugging Face)
+    layer: str = ""  # the layer name it ran as (Hugging Face)
 
     @property
     def abandoned(self) -> bool:
@@ -81,26 +75,20 @@ class RecomputeQueue:
 
     def drop(self, owner: Any = None, step: Any = None) -> None:
         """Forget the calls of `owner` (its context closed) or of `step` (its forward raised)."""
-
-        def keep(p: Pending) -> bool:
-            return p.owner is not owner if step is None else p.step is not step
-
-        self.items = [p for p in self.items if keep(p)]
-        self.done = [p for p in self.done if keep(p)]
+        attr, value = ("owner", owner) if step is None else ("step", step)
+        self.items = [p for p in self.items if getattr(p, attr) is not value]
+        self.done = [p for p in self.done if getattr(p, attr) is not value]
 
     def take(self, found: torch.Tensor | None, checkpoint: object) -> Pending | None:
-        """The queued call that a recompute of `checkpoint` (`autograd.recomputing()`) whose router input has the
-        fingerprint `found` re-runs; None when nothing was queued at all."""
-        if not self.items and not self.done:
+        """The queued call re-run by a recompute of `checkpoint` (`recomputing()`) with input fingerprint `found`."""
+        if self.empty:
             return None
         # (in either pool: a nested checkpoint's recompute, or a second one, finds a call recomputed already)
         owned = any(within(p.checkpoints, checkpoint) for p in (*self.items, *self.done))
         for pool, first in ((self.items, True), (self.done, False)):
-            hits = [
-                k
-                for k, p in enumerate(pool)
-                if matches(p.fingerprint, found) and (not owned or within(p.checkpoints, checkpoint))
-            ]
+            hits = [k for k, p in enumerate(pool) if matches(p.fingerprint, found)]
+            if owned:
+                hits = [k for k in hits if within(pool[k].checkpoints, checkpoint)]
             if not hits:
                 continue
             if len(hits) > 1 and not self._alike([pool[k] for k in hits]):

@@ -2,14 +2,9 @@
 
 PEFT wraps each module named in `modules_to_save` (the router, or the whole MoE block) in a `ModulesToSaveWrapper`
 that holds the frozen `original_module` and one trainable copy per adapter in `modules_to_save.<adapter>`, and runs
-one of them: the active adapter's copy, or `original_module` while adapters are disabled (`disable_adapter()`, the
-reference forward) or the active adapter has no copy. The router of a layer is the copy that runs; the others are
-not routers of this forward. Its layer name leaves out the wrapper's segments (`original_module`,
-`modules_to_save.<adapter>`), so routes recorded under one adapter replay under another or with adapters disabled.
-
-Recognised by what the wrapper holds (no PEFT import): an `original_module` module, a `modules_to_save` ModuleDict
-and `active_adapters` / `disable_adapters`.
-"""
+the active adapter's copy, or `original_module` while adapters are disabled (`disable_adapter()`, the reference
+forward) or the active adapter has no copy. The router of a layer is the copy that runs. Its layer name leaves out
+the wrapper's segments, so routes recorded under one adapter replay under another or with adapters disabled."""
 
 from __future__ import annotations
 
@@ -22,31 +17,25 @@ from ...errors import ReplayError
 
 
 def is_saved_wrapper(module: nn.Module) -> bool:
-    """Whether `module` is a PEFT `ModulesToSaveWrapper` (by what it holds).
+    """Whether `module` is a PEFT `ModulesToSaveWrapper`, by what it holds (no PEFT import).
 
     Example:
         >>> is_saved_wrapper(nn.Linear(2, 2))
         False
     """
-    held = module._modules
-    return (
-        isinstance(held.get("original_module"), nn.Module)
-        and isinstance(held.get("modules_to_save"), nn.ModuleDict)
-        and hasattr(module, "active_adapters")
-        and hasattr(module, "disable_adapters")
-    )
+    sub = module._modules
+    wraps = isinstance(sub.get("original_module"), nn.Module) and isinstance(sub.get("modules_to_save"), nn.ModuleDict)
+    return wraps and hasattr(module, "active_adapters") and hasattr(module, "disable_adapters")
 
 
 def running_copy(wrapper: nn.Module) -> nn.Module:
-    """The copy a PEFT `ModulesToSaveWrapper` runs now: the active adapter's, else `original_module` (adapters
-    disabled, or the active adapter has no copy here), as its forward picks it.
+    """The copy a PEFT `ModulesToSaveWrapper` runs now, as its forward picks: the active adapter's, else the original.
 
     Example:
         >>> running_copy(peft_model.base_model.model.model.layers[0].mlp.gate)  # doctest: +SKIP
         Qwen3MoeTopKRouter(...)
     """
-    active = list(wrapper.active_adapters)
-    copies = wrapper.modules_to_save
+    active, copies = list(wrapper.active_adapters), wrapper.modules_to_save
     if wrapper.disable_adapters or not active or any(a not in copies for a in active):
         return wrapper.original_module
     return copies[active[0]]
@@ -70,12 +59,9 @@ def copy_of(name: str, wrappers: Mapping[str, nn.Module]) -> tuple[str, bool] | 
         >>> copy_of("m.layers.0.mlp.modules_to_save.default.gate", {"m.layers.0.mlp": wrapper})  # doctest: +SKIP
         ('m.layers.0.mlp.gate', True)
     """
-    parts = name.split(".")
-    dropped: set[int] = set()
-    runs = True
+    parts, dropped, runs = name.split("."), set(), True
     for cut in range(1, len(parts)):
-        wrapper = wrappers.get(".".join(parts[:cut]))
-        if wrapper is None:
+        if (wrapper := wrappers.get(".".join(parts[:cut]))) is None:
             continue
         if parts[cut] == "original_module":
             held, width = wrapper.original_module, 1
@@ -85,9 +71,7 @@ def copy_of(name: str, wrappers: Mapping[str, nn.Module]) -> tuple[str, bool] | 
             continue  # (a module of the wrapper itself)
         dropped.update(range(cut, cut + width))
         runs = runs and held is running_copy(wrapper)
-    if not dropped:
-        return None
-    return ".".join(p for i, p in enumerate(parts) if i not in dropped), runs
+    return (".".join(p for i, p in enumerate(parts) if i not in dropped), runs) if dropped else None
 
 
 def idle_copies(
@@ -102,13 +86,8 @@ def idle_copies(
     """
     if not wrappers:
         return ()
-    found = []
-    for name, module in modules.items():
-        if isinstance(module, classes):
-            copy = copy_of(name, wrappers)
-            if copy is not None and not copy[1]:
-                found.append((copy[0], module))
-    return tuple(found)
+    copies = ((copy_of(name, wrappers), m) for name, m in modules.items() if isinstance(m, classes))
+    return tuple((copy[0], m) for copy, m in copies if copy is not None and not copy[1])
 
 
 def refuse_idle(layer: str, inner: Callable[..., Any]) -> Callable[..., Any]:

@@ -2,9 +2,7 @@
 
 Every MoE family in transformers 5.x declares `_can_record_outputs["router_logits"] = OutputRecorder(RouterClass,
 index=i)` on its pretrained-model classes. The router modules are the instances of those classes; the index says which
-output holds the [N, E] router logits. Routing Replay intercepts the router's top-k selection inside the module that
-owns the router (the MoE block), which covers families that take the top-k outside the router module (DBRX).
-"""
+output holds the [N, E] router logits."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ from torch import nn
 from ...errors import UnsupportedModelError
 from .adapters import copy_of, is_saved_wrapper, saved_copies
 
-# Router classes that cannot be replayed, with the reason. Everything else that registers router outputs is handled
-# by the generic top-k interception and tested family by family.
+# Router classes that cannot be replayed, with the reason (every other family is tested family by family)
 UNSUPPORTED: Mapping[str, str] = MappingProxyType(
     {
         "DogeCDMoE": (
@@ -45,9 +42,8 @@ def _router_recorders(modules: Iterable[nn.Module]) -> list[tuple[type, int, str
     found: list[tuple[type, int, str | None]] = []
     for module in modules:
         spec = getattr(type(module), "_can_record_outputs", None)
-        if not isinstance(spec, dict) or "router_logits" not in spec:
+        if not isinstance(spec, dict) or (rec := spec.get("router_logits")) is None:
             continue
-        rec = spec["router_logits"]
         target = getattr(rec, "target_class", rec)
         entry = (target, int(getattr(rec, "index", 0) or 0), getattr(rec, "layer_name", None))
         if isinstance(target, type) and entry not in found:
@@ -56,8 +52,7 @@ def _router_recorders(modules: Iterable[nn.Module]) -> list[tuple[type, int, str
 
 
 def _caller(name: str, modules: Mapping[str, nn.Module], model: nn.Module) -> nn.Module:
-    """The module whose forward calls the router `name`: its parent, or above a PEFT wrapper of the router itself
-    (the wrapper and its `modules_to_save` dict only pass the call on)."""
+    """The module that calls router `name`: its parent, or above a PEFT wrapper of the router (which passes it on)."""
     parent = name.rpartition(".")[0]
     while parent and (
         is_saved_wrapper(modules[parent])
@@ -88,8 +83,7 @@ def find_routers(model: nn.Module, modules: Mapping[str, nn.Module] | None = Non
         for cls, index, layer_name in recorders:
             if not isinstance(module, cls) or (layer_name is not None and not name.endswith(layer_name)):
                 continue
-            copy = copy_of(name, wrappers) if wrappers else None
-            if copy is not None and not copy[1]:
+            if (copy := copy_of(name, wrappers) if wrappers else None) is not None and not copy[1]:
                 break  # (a copy that does not run now)
             if type(module).__name__ in UNSUPPORTED:
                 raise UnsupportedModelError(
@@ -101,7 +95,6 @@ def find_routers(model: nn.Module, modules: Mapping[str, nn.Module] | None = Non
     if not sites:
         classes = ", ".join(sorted({cls.__name__ for cls, _, _ in recorders}))
         raise UnsupportedModelError(f"{type(model).__name__} registers router classes ({classes}) but has no instances")
-    scopes = [id(s.scope) for s in sites]
-    if len(set(scopes)) != len(scopes):
+    if len({id(s.scope) for s in sites}) != len(sites):
         raise UnsupportedModelError(f"{type(model).__name__}: two routers share one parent module; not supported")
     return sites

@@ -21,16 +21,12 @@ def setting(model: nn.Module, kwargs: dict[str, Any], name: str, default: Any = 
     """
     if name in kwargs:
         return kwargs[name]
-    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
-        value = getattr(config, name, None) if config is not None else None
-        if value is not None:
-            return value
-    return default
+    configs = (kwargs.get("generation_config"), getattr(model, "generation_config", None))
+    return next((value for c in configs if (value := getattr(c, name, None)) is not None), default)
 
 
 def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Raise UnsupportedGenerationError for generate calls whose routes would not line up with `out.sequences`
-    (`kwargs`: the call's arguments by name, `call_arguments`)."""
+    """Raise UnsupportedGenerationError for a generate whose routes could not line up with `out.sequences`."""
     if (setting(model, kwargs, "num_beams", 1) or 1) > 1:
         raise UnsupportedGenerationError(
             f"moe-replay cannot follow beam search (num_beams={setting(model, kwargs, 'num_beams')}): beams are "
@@ -42,8 +38,7 @@ def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
                 f"moe-replay cannot follow assisted decoding ({name} is set): rejected draft tokens are routed too "
                 "and the cache is rolled back; generate without an assistant"
             )
-    scale = setting(model, kwargs, "guidance_scale")
-    if scale is not None and scale != 1:
+    if (scale := setting(model, kwargs, "guidance_scale")) is not None and scale != 1:
         raise UnsupportedGenerationError(
             f"moe-replay cannot follow classifier-free guidance (guidance_scale={scale}): its logits processor runs "
             "extra forwards of the model, with a cache of their own, between the decode steps, which would be placed "
@@ -61,8 +56,7 @@ def check_generation(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         )
 
 
-# transformers' continuous batching packs several requests into one forward (TRL's
-# `use_transformers_continuous_batching` goes through it): routes could not be placed per request.
+# transformers' continuous batching (TRL's `use_transformers_continuous_batching` too): requests packed in one forward
 PACKED_GENERATION = ("generate_batch", "init_continuous_batching", "continuous_batching_context_manager")
 
 
@@ -81,9 +75,7 @@ def refuse_packed(name: str, inner: Any) -> Any:
 def eos_token_ids(model: nn.Module, kwargs: dict[str, Any]) -> list[int]:
     """The end-of-sequence ids `generate` stops on (empty if none)."""
     eos = setting(model, kwargs, "eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+    return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
 
 
 def call_arguments(names: tuple[str, ...] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -94,24 +86,17 @@ def call_arguments(names: tuple[str, ...] | None, args: tuple[Any, ...], kwargs:
         >>> call_arguments(("inputs", "generation_config"), (1, 2), {"a": 3})
         {'inputs': 1, 'generation_config': 2, 'a': 3}
     """
-    if not args or not names:
-        return kwargs
-    named = dict(zip(names, args, strict=False))
-    named.update(kwargs)
-    return named
+    return {**dict(zip(names, args, strict=False)), **kwargs} if args and names else kwargs
 
 
 def generate_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
     """`generate` of a hooked model (`hub`: its RouterHub): refuses modes routes cannot follow, marks its forwards as
-    one generation (with `synced_gpus`, forwards past the routes may be dummies), then tells the hub's recorders which
-    streams it made and its `out.sequences`, end-of-sequence ids and prompt mask. A `generate` that calls another
-    (a wrapper module's calling its model's) is checked at each level, and read at the innermost: its settings and
-    output are the ones that ran."""
+    one generation, then hands the recorders its streams, `out.sequences`, EOS ids and prompt mask. A `generate` that
+    calls another (a wrapper module's calling its model's) is checked at each level, read at the innermost (it ran)."""
     owner = getattr(inner, "__self__", None)  # the module whose generate this is
 
     def generate(*args: Any, **kwargs: Any) -> Any:
-        session = hub.session
-        model = hub.model if owner is None else owner
+        session, model = hub.session, hub.model if owner is None else owner
         named = call_arguments(session.tracker.positional(inner) if args else None, args, kwargs)
         check_generation(model, args, named)
         first = session.enter_generate(bool(setting(model, named, "synced_gpus", False)))

@@ -27,7 +27,6 @@ class RouteRecorder:
         self._experts: dict[str, int] = {}  # layer name -> E, in the order the layers first ran
         self._checked: tuple[tuple, tuple] = ((), ())  # (layer names, E of each) of a step found to match `_experts`
 
-    # ---- context -----------------------------------------------------------------------------------------------
     def __enter__(self) -> RouteRecorder:
         if self._hub is not None:
             raise RuntimeError("this recorder is already active")
@@ -40,32 +39,26 @@ class RouteRecorder:
             self._hub.detach(self)
             self._hub = None
 
-    # ---- called by the hub -----------------------------------------------------------------------------------------
     def record_step(self, step: Step, taken: list[Taken]) -> None:
         """Keep the router calls of `step` (handed over by the hub when the step's forward returns)."""
-        stream = self._streams.get(step.stream)
-        if stream is None:
+        if (stream := self._streams.get(step.stream)) is None:
             stream = self._streams[step.stream] = Stream(step.batch)
         names, indices, versions, sizes = zip(*taken, strict=True)
         if (names, sizes) != self._checked:  # (a decode step's are the step before's)
             for name, size in zip(names, sizes, strict=True):
-                known = self._experts.setdefault(name, size)
-                if known != size:
+                if (known := self._experts.setdefault(name, size)) != size:
                     raise ValueError(f"router {name!r} changed from E={known} to E={size}")
             self._checked = (names, sizes)
         stream.take(step, names, indices, versions, self._experts)
 
     def drop_streams(self, first: int) -> None:
         """Forget the streams `first` and after (those of a `generate` that raised)."""
-        for sid in [sid for sid in self._streams if sid >= first]:
-            del self._streams[sid]
+        self._streams = {sid: s for sid, s in self._streams.items() if sid < first}
 
     def check_resume(self, stream: int) -> None:
-        """Raise (at the first forward of a `generate` that continues `stream`'s kept KV cache, before it runs) unless
-        this recorder holds that stream's last generate: its routes could not be placed on `out.sequences`, and the
-        whole generation would run before `on_generate` found out."""
-        known = self._streams.get(stream)
-        if known is None:
+        """Raise (at the first forward of a `generate` that continues `stream`'s kept KV cache) unless this recorder
+        holds that stream's last generate: else the whole generation would run before `on_generate` found out."""
+        if (known := self._streams.get(stream)) is None:
             raise ValueError(
                 "a generate continues a kept KV cache whose earlier turns ran before this record_routes context was "
                 "opened: the routes of those turns' positions are not here to line the new ones up with; open the "
@@ -75,39 +68,27 @@ class RouteRecorder:
             raise ValueError(f"a generate continued a kept KV cache, but {PLAIN_FILLED}")
 
     def on_generate(
-        self,
-        streams: Iterable[int],
-        sequences: torch.Tensor,
-        eos: list[int],
-        prompt_mask: torch.Tensor | None,
-        prompt: int | None = None,
-        resumed: tuple[int, torch.Tensor | None] | None = None,
-    ) -> None:
-        """After a `generate`: routes span `out.sequences`, end at each row's end-of-sequence token after the prompt
-        (`prompt` tokens; None: its first forward's, which a chunked prefill splits), and are not recorded where the
-        prompt's attention mask is 0 (whatever mask the cache implementation passed the forward). A generate that
-        continued stream `resumed[0]`'s kept cache must hold the stream's last `out.sequences` at its start; the
-        earlier turns' positions stay recorded where its first forward's mask (`resumed[1]`) attends to them."""
+        self, streams: Iterable[int], sequences: torch.Tensor, eos: list[int], prompt_mask: torch.Tensor | None,
+        prompt: int | None = None, resumed: tuple[int, torch.Tensor | None] | None = None,
+    ) -> None:  # fmt: skip
+        """After a `generate`: routes span `out.sequences`, end at each row's EOS after the prompt (`prompt` tokens;
+        None: its first forward's, which a chunked prefill splits), masked where the prompt's attention mask is 0. A
+        generate that continued stream `resumed[0]`'s kept cache must start with its last `out.sequences`; earlier
+        turns' positions stay where its first forward's mask (`resumed[1]`) attends to them."""
         for sid in streams:
-            stream = self._streams.get(sid)
-            if stream is None:
+            if (stream := self._streams.get(sid)) is None:
                 continue
             if resumed is not None and resumed[0] == sid:
                 continues(stream, sequences)
             stream.sequences = sequences.clone()
             stream.flush_masks()  # generate's own masks are let go
             stream.final_len = sequences.shape[1]
-            # With synced_gpus a rank whose rows all finished keeps running dummy forwards (from the last token on)
-            # to stay in step with the others: they are not part of out.sequences.
-            dummy = next((s for s in stream.steps[1:] if s.start >= stream.final_len - 1), None)
-            stream.end = None if dummy is None else dummy.start
+            # with synced_gpus a rank whose rows all finished runs dummy forwards (from the last token on): dropped
+            stream.end = next((s.start for s in stream.steps[1:] if s.start >= stream.final_len - 1), None)
             prompt, keep = (stream.steps[0].length if prompt is None else prompt), []
             if eos:  # not at or after a row's EOS (the EOS token itself is fed only as padding for finished rows)
-                generated = sequences[:, prompt:]
-                if len(eos) == 1:
-                    hit = generated == eos[0]
-                else:
-                    hit = torch.isin(generated, torch.tensor(eos, device=sequences.device))
+                new = sequences[:, prompt:]
+                hit = new == eos[0] if len(eos) == 1 else torch.isin(new, torch.tensor(eos, device=new.device))
                 keep.append((prompt, hit.cumsum(1) == 0))
             if prompt_mask is not None and prompt_mask.dim() == 2 and prompt_mask.shape[1] == prompt:
                 rows = sequences.shape[0] // prompt_mask.shape[0]  # num_return_sequences repeats each prompt
@@ -118,7 +99,6 @@ class RouteRecorder:
                 keep.append((0, resumed[1]))
             stream.keep = keep
 
-    # ---- results -------------------------------------------------------------------------------------------------
     @property
     def batches(self) -> list[Routes]:
         """One `Routes` per recorded batch (each `generate` call or plain forward starts one)."""
@@ -135,26 +115,20 @@ class RouteRecorder:
         return batches[0] if len(batches) == 1 else Routes.cat(batches)
 
     def _build(self, stream: Stream) -> Routes:
-        """The stream's `Routes`: its steps cover positions [0, end) one after another (a stream starts at 0 and each
-        forward continues where the last ended), copied a block of steps at a time (stream.py)."""
+        """The stream's `Routes`, over the positions [0, end) its steps cover one after another."""
         indices, mask = stream.indices(list(self._experts), self._experts, stream.final_len or 0)
         layers = tuple(LayerInfo(name, E, indices.shape[-1]) for name, E in self._experts.items())
-        indices = indices.to(index_dtype(max(self._experts.values())))
-        mask = mask.to(indices.device)
+        indices, mask = indices.to(index_dtype(max(self._experts.values()))), mask.to(indices.device)
         for start, kept in stream.keep:  # (a few ops: this runs per generate)
             part = mask[:, start : start + kept.shape[1]]
-            if part.shape[1] != kept.shape[1]:
-                kept = kept[:, : part.shape[1]]
-            part &= kept if kept.device == part.device else kept.to(part.device)
+            part &= kept[:, : part.shape[1]].to(part.device)
         return Routes._trusted(indices, mask, layers)
 
 
 def continues(stream: Stream, sequences: torch.Tensor) -> None:
-    """Raise (and keep as the stream's problem) unless a generate that continued `stream`'s kept KV cache holds, at
-    the start of its `sequences`, the stream's last `out.sequences`: the cache holds those tokens, row by row (a
-    reordered cache, or a turn's input that edits the history, would place routes on other tokens)."""
-    last = stream.sequences
-    problem = None
+    """Raise (and keep as the stream's problem) unless a generate that continued `stream`'s kept KV cache starts its
+    `sequences` with the stream's last `out.sequences`, row by row (else its routes would land on other tokens)."""
+    last, problem = stream.sequences, None
     if last is None:
         problem = PLAIN_FILLED
     elif sequences.shape[0] != last.shape[0] or sequences.shape[1] < last.shape[1]:
@@ -162,15 +136,13 @@ def continues(stream: Stream, sequences: torch.Tensor) -> None:
             f"it returned {tuple(sequences.shape)} but the last generate's out.sequences are {tuple(last.shape)}: "
             "continue a kept cache with the same rows"
         )
-    else:
-        differ = sequences[:, : last.shape[1]] != last.to(sequences.device)
-        if differ.any():
-            row, col = (int(x) for x in differ.nonzero()[0])
-            problem = (
-                f"its row {row} differs at position {col} from the tokens the cache holds (the last generate's "
-                "out.sequences): a cache reordered or a history edited would put routes on other tokens; give each "
-                "turn the last turn's out.sequences + the new tokens, rows in order"
-            )
+    elif (differ := sequences[:, : last.shape[1]] != last.to(sequences.device)).any():
+        row, col = (int(x) for x in differ.nonzero()[0])
+        problem = (
+            f"its row {row} differs at position {col} from the tokens the cache holds (the last generate's "
+            "out.sequences): a cache reordered or a history edited would put routes on other tokens; give each "
+            "turn the last turn's out.sequences + the new tokens, rows in order"
+        )
     if problem is not None:
         stream.problem = ValueError(f"a generate continued a kept KV cache, but {problem}")
         raise stream.problem
@@ -179,12 +151,11 @@ def continues(stream: Stream, sequences: torch.Tensor) -> None:
 def record_routes(model: nn.Module) -> RouteRecorder:
     """Record the experts every router of `model` selects, for every token it processes, while the context is open.
 
-    Works under `generate` with a KV cache (prefill, then one position per step), with left padding,
-    `num_return_sequences`, and with plain forwards; routes land at the positions of `out.sequences`, with padding
-    and the last sampled token masked out. A conversation whose turns each continue the KV cache the turn before
-    left (`generate(cache=cache)`, all inside the context) is one batch: its routes span the last turn's
-    `out.sequences`, each position routed by the forward that put it in the cache. Recomputes under gradient
-    checkpointing are not recorded twice.
+    Works under `generate` with a KV cache (prefill, then one position per step), left padding, `num_return_sequences`,
+    and with plain forwards; routes land at the positions of `out.sequences`, with padding and the last sampled token
+    masked out. A conversation whose turns each continue the KV cache the turn before left (`generate(cache=cache)`, all
+    inside the context) is one batch: its routes span the last turn's `out.sequences`, each position routed by the
+    forward that put it in the cache. Recomputes under gradient checkpointing are not recorded twice.
 
     Example:
         >>> with record_routes(model) as rec:  # doctest: +SKIP

@@ -3,50 +3,28 @@
 Inside a router call the hub sees every torch function of the router (and, on the general path, of its MoE block) and
 hands the ones a selector intercepts to it. A selector records what the call selected and, under replay, returns
 the recorded experts instead, with values gathered from its own (live) input, so the family's weight rule runs on the
-live router scores and the router keeps its gradient. A new routing rule is one new selector (its contract is
-`Selector`'s class attributes) and one line in rules.py.
-
-- `TopK`: the top-k over the E scores of each token (most families);
-- `GroupTopK`: a group-limited top-k before it (DeepSeek-style `n_group` / `topk_group`), steered to keep the groups
-  of the recorded experts, or their scores would be masked to zero;
-- `SparsemixerPicks` (sparsemixer.py): PhiMoE's picks by masked `max` calls.
-"""
+live router scores and the router keeps its gradient. A new routing rule is one new selector and one line in
+rules.py (`TopK`, `GroupTopK`, sparsemixer.py's `SparsemixerPicks`)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...errors import ReplayError
-from .discover import RouterSite
 from .plan import Plan
-from .steps import Step
 from .stream import hold
+
+if TYPE_CHECKING:
+    from .call import RouterCall  # (what a selector reads and sets of its router call)
 
 TOPK_FUNCS = frozenset({torch.topk, torch.Tensor.topk})
 
 
-class RouterCall(Protocol):
-    """What a selector reads and sets of its router call (call.RouterCall)."""
-
-    site: RouterSite
-    layer: str
-    step: Step | None  # None: a recompute that routes live
-    plan: Plan | None
-    record: bool
-    recompute: bool
-    num_experts: int | None
-    selectors: list[Selector]
-
-
 class Selector:
-    """One way of picking experts, for one router call. A subclass declares its contract in three class attributes
-    (checked by `rules.check_rules`) and overrides what it needs:
-
-    - `funcs`: the torch functions it may claim (`claims` is asked only for those);
-    - `catch_all`: it claims every call of its `funcs`, so it is offered after the selectors that claim some.
-    """
+    """One way of picking experts, for one router call. Its contract (`rules.check_rules`): `funcs`, the torch functions
+    it may claim (`claims` is asked only for those); `catch_all`: it claims every call of them, so is offered last."""
 
     funcs: frozenset = frozenset()
     catch_all: bool = False
@@ -63,8 +41,7 @@ class Selector:
         return func(*args, **kwargs)
 
     def picked(self) -> tuple[torch.Tensor, int | None] | None:
-        """What the call selected, or None: the indices (last dim K) as a recorder holds them and their version when
-        they were selected, as `stream.hold` gave them."""
+        """What the call selected (its indices, last dim K, as `stream.hold` gave them), or None."""
         return None
 
     def applied(self) -> bool:
@@ -90,24 +67,20 @@ def over_each_token(x: torch.Tensor, tokens: int) -> bool:
 
 def replaces(plan: Plan, tokens: int, x: torch.Tensor, k: int) -> bool:
     """Whether a top-k (over the last dim) of `x` is the selection `plan` replaces: k = K of the plan's E scores of
-    each of the forward's `tokens` tokens (the one rule of which top-k a replay forces: `over_each_token`'s rows, E
-    wide).
+    each of the forward's `tokens` tokens (the one rule of which top-k a replay forces).
 
     Example:
         >>> replaces(plan, 6, torch.zeros(2, 3, plan.num_experts), plan.top_k)  # doctest: +SKIP
         True
     """
-    shape = x.shape
-    E = plan.num_experts
+    shape, E = x.shape, plan.num_experts
     return k == plan.top_k and shape[-1] == E and shape.numel() == tokens * E
 
 
 def topk_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, int, bool]:
     """(input, k, whether the top-k runs over the last dim) of a `topk` call."""
     x: torch.Tensor = args[0]
-    n = len(args)
-    k = args[1] if n > 1 else kwargs["k"]
-    dim = args[2] if n > 2 else kwargs.get("dim", -1)
+    k, dim = args[1] if len(args) > 1 else kwargs["k"], args[2] if len(args) > 2 else kwargs.get("dim", -1)
     return x, k if type(k) is int else int(k), dim == -1 or dim == x.dim() - 1
 
 
@@ -138,26 +111,23 @@ class TopK(Selector):
         return out
 
     def _observes(self) -> bool:
-        """Whether to report the live picks (asked only where the plan has `on_live`): a forward call (not its
-        recompute) that no other selector steered."""
+        """Whether to report the live picks: a forward call (not its recompute) that no other selector steered."""
         call = self.call
         return not call.recompute and self.replaced == 0 and not any(getattr(s, "steered", 0) for s in call.selectors)
 
     def picked(self) -> tuple[torch.Tensor, int | None] | None:
-        E = self.call.num_experts
-        found = [s for s in self.seen if s[0] == E and s[2]]
-        return None if not found else found[-1][3]
+        return next((s[3] for s in reversed(self.seen) if s[0] == self.call.num_experts and s[2]), None)
 
     def applied(self) -> bool:
         return self.replaced >= 1
 
     def describe(self) -> str:
-        return topk_calls([(s[0], s[1]) for s in self.seen])
+        return f"the router's top-k calls were (E, k) = {[(s[0], s[1]) for s in self.seen]}"
 
 
 class GroupTopK(Selector):
-    """Group-limited routing under replay: the top-k over G expert groups (G divides E) keeps the groups that hold
-    the recorded experts, and fills the rest live."""
+    """Group-limited routing (DeepSeek-style `n_group` / `topk_group`) under replay: the top-k over G expert groups (G
+    divides E) keeps the recorded experts' groups (else their scores are masked to zero), and fills the rest live."""
 
     funcs = TOPK_FUNCS
 
@@ -166,8 +136,7 @@ class GroupTopK(Selector):
         self.steered = 0
 
     def claims(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        plan = self.call.plan
-        if plan is None:
+        if (plan := self.call.plan) is None:
             return False
         x, k, last = topk_args(args, kwargs)
         G, tokens = x.shape[-1], self.call.step.tokens
@@ -177,21 +146,17 @@ class GroupTopK(Selector):
         x, k, _ = topk_args(args, kwargs)
         plan = self.call.plan
         assert plan is not None
-        G = x.shape[-1]
-        flat = x.reshape(-1, G)
+        G, flat = x.shape[-1], x.reshape(-1, x.shape[-1])
         if plan.groups_used(G) > k:  # checked once per layer, not per call
             raise ReplayError(
                 f"router {self.call.layer!r} keeps topk_group={k} of {G} expert groups, but the routes use "
                 f"{plan.groups_used(G)} groups for one token"
             )
-        indices = plan.indices
-        if x.device != plan.device:
-            indices = indices.to(x.device)
+        indices = plan.indices if x.device == plan.device else plan.indices.to(x.device)
         steered = flat.scatter(-1, indices // (plan.num_experts // G), float("inf"))  # the recorded experts' groups
         if not plan.all_recorded:
             steered = torch.where(plan.mask.to(x.device).reshape(-1, 1), steered, flat)
-        idx = torch.topk(steered, k, dim=-1).indices
-        idx = idx.reshape(*x.shape[:-1], k)
+        idx = torch.topk(steered, k, dim=-1).indices.reshape(*x.shape[:-1], k)
         self.steered += 1
         return torch.return_types.topk((x.gather(-1, idx), idx))
 
@@ -204,17 +169,10 @@ def dispatch(call: RouterCall, func: Any, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
-def topk_calls(seen: list[tuple[int, int]]) -> str:
-    """What a router's top-k calls over the last dim were, (last dim, k) each, for a replay error."""
-    return f"the router's top-k calls were (E, k) = {seen}"
-
-
 def forced_topk(func: Any, args: tuple, kwargs: dict, x: torch.Tensor, plan: Plan, observe: bool = False) -> Any:
     """`topk(x)` that returns the plan's experts with values gathered from `x` (live where the plan's mask is False);
     with `observe`, hands the live and the forced picks to `plan.on_live`."""
-    idx = plan.indices  # [N, K]
-    if x.device != plan.device:
-        idx = idx.to(x.device)
+    idx = plan.indices if x.device == plan.device else plan.indices.to(x.device)  # [N, K]
     if x.ndim != 2:
         idx = idx.reshape(*x.shape[:-1], plan.top_k)
     live = None

@@ -1,16 +1,14 @@
 """PhiMoE's sparsemixer: the two experts are picked by masked `max(dim=-1)` calls (or Gumbel samples), not a top-k.
 
-In eval mode the picks are the indices of two `max(..., keepdim=True)` calls: the top score, then the top score with
-the first pick masked out; each value is also the threshold that masks far-away experts. In training mode each pick
-is a Gumbel sample (`max(dim=-1)` without keepdim) between a threshold `max` and a Heun-midpoint `max`.
+In eval mode the picks are the indices of two `max(..., keepdim=True)` calls (the top score, then the top score with
+the first pick masked out), each value also the threshold that masks far-away experts. In training each pick is a
+Gumbel sample (`max(dim=-1)` without keepdim) between a threshold `max` and a Heun-midpoint `max` (run live).
 
 Replay forces the picks to the recorded experts. In eval mode a threshold is its pick, so it is forced to the
 recorded expert's score too (the mask is taken relative to the expert that is used, as it is live). In training the
-threshold is the live top score, as it was when the pick was sampled; only where that would mask the recorded expert
-out (its score more than 2·jitter_eps below, relative to the larger magnitude: a policy that moved since) is the
-threshold its score, so that it stays selectable. The midpoint calls run live. The family's own softmax and its
-custom backward (PhimoeMultiplier) then run on live scores.
-"""
+threshold is the live top score, as when the pick was sampled, except where it would mask the recorded expert out
+(its score more than 2·jitter_eps below, relative to the larger magnitude: a policy that moved since): there it is
+that score, so that it stays selectable. The softmax and custom backward (PhimoeMultiplier) run on live scores."""
 
 from __future__ import annotations
 
@@ -28,17 +26,13 @@ MAX_FUNCS = frozenset({torch.max, torch.Tensor.max})
 
 def max_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Any, bool]:
     """(input, dim, keepdim) of a `max` call; dim is None for the full reduction."""
-    x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-    return x, dim, keepdim
+    return args[0], dim, bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
 
 
 def slot_of(counts: list[int], keepdim: bool, training: bool) -> tuple[int | None, bool]:
-    """Which pick (0 or 1) a per-token `max(dim=-1)` call decides, and whether its indices are the pick itself.
-
-    `counts` = [keepdim calls so far, other calls so far] in this router call; it is advanced here.
-    """
+    """Which pick (0 or 1) a per-token `max(dim=-1)` call decides, and whether its indices are the pick itself;
+    advances `counts` = [keepdim calls so far, other calls so far] in this router call."""
     j = counts[0] if keepdim else counts[1]
     counts[0 if keepdim else 1] += 1
     if not training:
@@ -72,8 +66,7 @@ def forced_max(func: Any, args: tuple, kwargs: dict, indices: torch.Tensor, mask
     x, _, keepdim = max_args(args, kwargs)
     idx = indices.to(x.device).reshape(*x.shape[:-1], 1)
     if not all_recorded:
-        live = func(*args, **kwargs)[1]
-        live = live if keepdim else live.unsqueeze(-1)
+        live = func(*args, **kwargs)[1].reshape(idx.shape)  # (keepdim or not)
         idx = torch.where(mask.to(x.device).reshape(*x.shape[:-1], 1), idx, live)
     values = x.gather(-1, idx)
     if not keepdim:
@@ -94,17 +87,12 @@ class SparsemixerPicks(Selector):
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         x, dim, keepdim = max_args(args, kwargs)
-        call = self.call
-        if call.step is None:  # a recompute that routes live
+        call, plan, training = self.call, self.call.plan, self.call.site.router.training
+        if call.step is None or dim not in (-1, x.dim() - 1) or not over_each_token(x, call.step.tokens):
             return func(*args, **kwargs)
-        n = call.step.tokens
-        if dim not in (-1, x.dim() - 1) or not over_each_token(x, n):
-            return func(*args, **kwargs)
-        slot, is_pick = slot_of(self.counts, keepdim, call.site.router.training)
-        plan = call.plan
+        slot, is_pick = slot_of(self.counts, keepdim, training)
         if slot is None or (plan is not None and (slot >= plan.top_k or x.shape[-1] != plan.num_experts)):
             return func(*args, **kwargs)
-        training = call.site.router.training
         if plan is not None and training and not is_pick:  # a training-mode threshold: live, unless it masks the pick
             eps = float(getattr(call.site.router, "router_jitter_noise", 0.0) or 0.0)
             out = kept_threshold(func, args, kwargs, plan.indices[:, slot], plan.mask, eps)
@@ -127,8 +115,7 @@ class SparsemixerPicks(Selector):
                     f"router {self.call.layer!r}'s pick {j} was changed in place after its max returned it: the "
                     "routes would not be the experts the model used"
                 )
-        picked = torch.cat([idx.reshape(n, 1) for idx, _ in picks], -1)  # (a copy)
-        return picked, None
+        return torch.cat([idx.reshape(n, 1) for idx, _ in picks], -1), None  # (a copy)
 
     def applied(self) -> bool:
         return self.call.plan is not None and self.replaced >= self.call.plan.top_k

@@ -18,19 +18,14 @@ HAND_OVER = 32  # decode steps of a generate held before the recorders take them
 
 @dataclass(slots=True)
 class Step:
-    """One top-level forward: `batch` rows at positions [start, start + length) of stream `stream`.
-
-    `attention` is the forward's own 2-D attention mask, whose last `length` columns are this step's (a decode step
-    of `generate` gets the whole generation's mask so far). `real` is bool [B, length], False at padding (attention
-    mask 0). `grad` is True when grad was enabled as the forward began, else None until a replayed router call asks
-    whether a reentrant checkpoint surrounds the forward.
-    """
+    """One top-level forward: `batch` rows at positions [start, start + length) of stream `stream`; `grad`: True if
+    grad was enabled as it began, else None until a replayed router call asks if a reentrant checkpoint surrounds it."""
 
     stream: int
     batch: int
     start: int
     length: int
-    attention: torch.Tensor | None  # the forward's own attention mask [B, >= length], if it had one
+    attention: torch.Tensor | None  # the forward's own mask [B, >= length] if any (a decode step's: all so far)
     device: torch.device
     grad: bool | None = None
     synced: bool = False  # inside generate(synced_gpus=True)
@@ -49,9 +44,8 @@ class Step:
 
     @property
     def real(self) -> torch.Tensor:
-        """bool [B, length]: False at padding. Made on first use (a recorder asks during the forward, a replay at its
-        first router call, to find routes recorded at padding), as a copy, so that a mask buffer the caller reuses
-        cannot change it afterwards."""
+        """bool [B, length]: False at padding. Made on first use (by a recorder, or a replay's first router call) as a
+        copy, so that a mask buffer the caller reuses cannot change it afterwards."""
         if self._real is None:
             mask = self.attention
             self._masked = mask is not None
@@ -67,8 +61,7 @@ class Step:
 
 
 def extends_generation(step: Step) -> bool:
-    """Whether `step` is a step of `generate` after its first whose mask (if any) is the whole generation's so far:
-    `generate` makes that mask afresh each step, so its padding can be read later, from a later step's mask.
+    """Whether `step` is a later step of `generate` whose mask (if any) is the whole generation's so far (`add_mask`).
 
     Example:
         >>> extends_generation(Step(0, 1, 32, 1, None, torch.device("cpu"), generating=True))
@@ -95,18 +88,15 @@ def output_cache(out: Any) -> Any:
 
 
 def step_wrapper(hub: Any, inner: Callable[..., Any]) -> Callable[..., Any]:
-    """A tracked model's `forward`, wrapped by `hub` (hub.py): its outermost call is a step of its session's tracker
-    (session.py).
+    """A tracked model's `forward`, wrapped by `hub` (hub.py): its outermost call is a step of its session's tracker.
 
     Example:
         >>> model.forward = step_wrapper(hub, model.forward)  # doctest: +SKIP
     """
-
     thread = threading.get_ident
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        session = hub.session
-        tracker = session.tracker
+        session, tracker = hub.session, hub.session.tracker
         if tracker.depth or in_backward():  # an inner model called by the outer one, or a recompute
             if tracker.depth and thread() != tracker.thread and not in_backward():  # (autograd's threads recompute)
                 raise ForeignThreadError(

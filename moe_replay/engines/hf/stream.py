@@ -1,7 +1,6 @@
-"""What a recorder holds of one recorded batch (a stream of steps: a prefill, then one step per new token): each
-step's padding, and its router calls' top-k indices, held as the routers returned them and copied into the routes'
-narrow dtype many at a time: a step of several positions at its end, decode steps `HOLD` at a time, each by one stack
-and one conversion (a decode step then adds no tensor op of its own)."""
+"""What a recorder holds of one recorded batch (a prefill, then one step per new token): each step's padding, and its
+router calls' top-k indices as the routers returned them, copied into the routes' narrow dtype many at a time (a step
+of several positions at its end, decode steps `HOLD` at a time) by one stack and one conversion."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 from ...routes import index_dtype
-from ..autograd import versions
+from ..autograd import version, versions
 from .steps import Step, extends_generation
 
 HOLD = 32  # decode steps held before their indices are copied (int64 [B, K] per layer each, as the routers made them)
@@ -24,8 +23,7 @@ Taken = tuple[str, torch.Tensor, int | None, int]
 
 @dataclass
 class Block:
-    """Consecutive steps of a stream, from position `start`: `indices` [B, t, L, K], its router calls' indices in call
-    order (`names`)."""
+    """Consecutive steps of a stream from position `start`: `indices` [B, t, L, K] of layers `names` (call order)."""
 
     start: int
     names: tuple[str, ...]
@@ -34,8 +32,7 @@ class Block:
 
 @dataclass
 class Stream:
-    """One recorded batch: its steps, their indices (copied `blocks`, then the `held` steps not copied yet) and their
-    padding masks."""
+    """One recorded batch: its steps, their indices (copied `blocks`, then the `held` steps) and padding masks."""
 
     batch: int
     steps: list[Step] = field(default_factory=list)
@@ -45,22 +42,19 @@ class Stream:
     held_names: tuple[str, ...] = ()
     problem: Exception | None = None  # found while copying, raised when the routes are built
     masks: list[torch.Tensor] = field(default_factory=list)  # bool [B, t] pieces covering the steps from position 0
-    # decode steps of a generate whose padding is read once, from the latest of their masks (each step's mask is the
-    # whole generation's so far): (start, end, that mask or None if they had none, device)
+    # pending decode steps of a generate, their padding read once from the latest mask: (start, end, it or None, device)
     tail: tuple[int, int, torch.Tensor | None, torch.device] | None = None
     final_len: int | None = None
     end: int | None = None  # positions kept (generate(synced_gpus=True) drops the dummy steps past the output)
     # (first column, bool [B, n]: False at the prompt's padding, or at and after a row's EOS) per mask generate left
     keep: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # the last generate's out.sequences (the next turn over its kept KV cache must start with them)
-    sequences: torch.Tensor | None = None
+    sequences: torch.Tensor | None = None  # the last generate's (a next turn over its kept cache starts with them)
 
     def take(
         self, step: Step, names: tuple[str, ...], indices: tuple[torch.Tensor, ...], versions: tuple[int | None, ...],
         experts: dict[str, int],
     ) -> None:  # fmt: skip
-        """Add `step` with its router calls (the `Taken` of each, transposed; `experts`: E per layer name); copy what
-        is held if it is due."""
+        """Add `step` with its router calls (their `Taken`s, transposed; `experts`: E per layer); copy if due."""
         if self.held and (names != self.held_names or step.length != 1):
             self.copy_held(experts)
         self.steps.append(step)
@@ -71,8 +65,7 @@ class Stream:
             self.copy_held(experts)
 
     def copy_held(self, experts: dict[str, int]) -> None:
-        """Copy the held steps' indices into one block in the routes' layout, by one stack and at most one
-        conversion."""
+        """Copy the held steps' indices into one block in the routes' layout (one stack, at most one conversion)."""
         held, self.held = self.held, []
         if not held or self.problem is not None:
             return
@@ -90,19 +83,15 @@ class Stream:
             if len(ks) > 1:
                 self.problem = ValueError(f"layers recorded different top-k values {ks}; Routes needs one K")
                 return
-            wrong = next((k for k, p in enumerate(pieces) if p.numel() != B * t * ks[0]), None)
-            if wrong is not None:
+            if (wrong := next((k for k, p in enumerate(pieces) if p.numel() != B * t * ks[0]), None)) is not None:
                 self.problem = UnsupportedModelError(
                     f"router {names[wrong % L]!r} returned top-k indices of shape {tuple(pieces[wrong].shape)} "
                     f"for a forward of {B} x {t} tokens: expected {B * t} rows of K"
                 )
                 return
             stacked = torch.stack([p.reshape(B, t, ks[0]) for p in pieces], -2)
-        dtype = index_dtype(max(experts[name] for name in names))
-        stacked = stacked if stacked.dtype == dtype else stacked.to(dtype)
-        then = [v for _, vs in held for v in vs]
-        now = versions(pieces)  # (None for an inference tensor)
-        changed = None
+        stacked = stacked.to(index_dtype(max(experts[name] for name in names)))  # (itself if of that dtype already)
+        then, now, changed = [v for _, vs in held for v in vs], versions(pieces), None  # (None: an inference tensor)
         if now != then:  # (a copy made at the router call has no version to compare: None)
             changed = next((k for k, (a, b) in enumerate(zip(now, then, strict=True)) if b not in (None, a)), None)
         if changed is not None:
@@ -114,9 +103,8 @@ class Stream:
         self.blocks.append(Block(first.start, names, stacked.view(B, n * t, L, stacked.shape[-1])))
 
     def add_mask(self, step: Step) -> None:
-        """Keep `step`'s padding: copied now (the caller may reuse its mask buffer), except for a decode step of
-        `generate`, whose mask `generate` makes afresh each step and only extends: the latest one is kept, and read
-        when the generation ends (no tensor op per step)."""
+        """Keep `step`'s padding: copied now (the caller may reuse its mask buffer), except for a decode step, whose
+        mask `generate` makes afresh and only extends: the latest is kept, read when the generation ends."""
         mask, end = step.attention, step.start + step.length
         if extends_generation(step):
             tail = self.tail
@@ -180,15 +168,12 @@ class Stream:
 
 
 def hold(indices: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-    """What a recorder holds of a router call's top-k indices, taken as they are selected: the tensor itself and its
-    version counter now, so that an edit in place before they are copied is caught; for an inference tensor, whose
-    edits are not counted, a copy made now and None.
+    """What a recorder holds of a router call's top-k indices as they are selected: the tensor and its version counter
+    now (an in-place edit before they are copied is caught); for an inference tensor (edits not counted) a copy, None.
 
     Example:
         >>> hold(torch.tensor([[1, 3]]))[1]
         0
     """
-    try:
-        return indices, indices._version
-    except RuntimeError:  # "Inference tensors do not track version counter."
-        return indices.clone(), None
+    now = version(indices)
+    return (indices, now) if now is not None else (indices.clone(), None)

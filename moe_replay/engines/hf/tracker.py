@@ -1,6 +1,5 @@
-"""`StepTracker`: which stream and positions each outermost forward of a hooked model covers. A forward whose KV cache
-holds the current stream's tokens continues that stream; any other starts a new one at position 0 (steps.py's `Step`
-is the result; its wrapper calls `begin`)."""
+"""`StepTracker`: which stream and positions each outermost forward of a hooked model covers (a `Step`, steps.py): one
+whose KV cache holds the current stream's tokens continues that stream; any other starts a new one at position 0."""
 
 from __future__ import annotations
 
@@ -19,22 +18,17 @@ GENERATE_START = object()  # `StepTracker.cache` as a generate begins, before it
 
 
 class StepTracker:
-    """Turns outermost forward calls into `Step`s. A forward whose KV cache already holds tokens continues the current
-    stream at the next position; any other forward starts a new stream at position 0."""
+    """Turns outermost forward calls into `Step`s (see the module docstring)."""
 
     __slots__ = (
         "stream", "cursor", "batch", "current", "depth", "cache", "resumed", "thread", "_owners", "_signatures",
     )  # fmt: skip
 
     def __init__(self, signatures: dict | None = None) -> None:
-        self.stream = -1
-        self.cursor = 0
-        self.batch = 0
+        self.stream, self.cursor, self.batch, self.depth = -1, 0, 0, 0
         self.current: Step | None = None
-        self.depth = 0
-        # the KV cache of the running generate's last step, which holds that step's tokens (`begin`); GENERATE_START
-        # before its first step; None between generate calls (a cache that one left may be emptied before the next,
-        # and is not kept alive by the hub)
+        # the KV cache of the running generate's last step, holding its tokens (`begin`); GENERATE_START before its
+        # first step; None between generate calls (one left may be emptied before the next; the hub keeps none alive)
         self.cache: Any = None
         # the stream the running generate continues through its kept KV cache, and what its first forward's mask says
         # of the positions before it (False: padding to this turn; None: no mask)
@@ -42,23 +36,16 @@ class StepTracker:
         self.thread = 0  # the thread running the current step (`step_wrapper`)
         # id(KV cache) -> (a weak reference to it, the stream whose forwards last used or returned it) (`own`)
         self._owners: dict[int, tuple[weakref.ref, int]] = {}
-        # per forward function: its signature and positional parameter names (a dict the caller may keep across
+        # per forward function: (its signature, positional parameter names) (a dict the caller may keep across
         # trackers, e.g. on the model: inspecting a signature costs more than a whole router call)
-        self._signatures: dict[Any, tuple[inspect.Signature, tuple[str, ...] | None]] = (
-            {} if signatures is None else signatures
-        )
+        self._signatures: dict[Any, tuple] = {} if signatures is None else signatures
 
     def begin(
-        self,
-        forward: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        generating: bool = False,
+        self, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generating: bool = False,
         on_resume: Callable[[int], None] | None = None,
-    ) -> Step:
-        """Open the step of an outermost forward (`forward` is the module's unwrapped forward; `generating`: inside
-        `generate`). `on_resume(stream)` is called, before anything changes, when the forward is the first of a
-        generate that continues `stream`'s kept KV cache; it may raise to refuse it."""
+    ) -> Step:  # fmt: skip
+        """Open the step of an outermost forward (`forward`: the module's unwrapped one; `generating`: in `generate`).
+        `on_resume(stream)`, called first if it opens a generate continuing `stream`'s kept cache, may raise."""
         if not args:  # the keyword arguments are the call's arguments as they are
             bound = kwargs
         else:  # positional arguments onto the leading positional parameters' names (cached per forward)
@@ -68,10 +55,8 @@ class StepTracker:
                 if kwargs:
                     bound.update(kwargs)
             else:  # a signature with *args, or more positional arguments than parameters: bound by `inspect`
-                bound = _bind(sig, args, kwargs)
-        tokens = bound.get("input_ids")
-        if tokens is None:
-            tokens = bound.get("inputs_embeds")
+                bound = bind(sig, args, kwargs)
+        tokens = next((bound[n] for n in ("input_ids", "inputs_embeds") if bound.get(n) is not None), None)
         if tokens is None:
             tokens = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
@@ -79,18 +64,15 @@ class StepTracker:
                 "moe-replay needs batched input_ids [B, T] or inputs_embeds [B, T, H] to place routes, got "
                 f"{None if tokens is None else tuple(tokens.shape)}"
             )
-        shape = tokens.shape
-        B, t = shape[0], shape[1]
-        cache = bound.get("cache")
-        if cache is None:
-            cache = bound.get("past_key_values")
+        B, t = tokens.shape[:2]
+        cache = next((bound[n] for n in ("cache", "past_key_values") if bound.get(n) is not None), None)
         noted = True  # whether the cache is noted as this step's stream's (`own`) already, or there is none
         resuming = False  # the first step of a generate continuing the kept cache of the current stream
+        length = getattr(cache, "get_seq_length", None)
         if cache is None:
             continuing = False
         elif generating and cache is self.cache:  # a later step of this generate: its cache holds the steps before
             continuing = True
-            length = getattr(cache, "get_seq_length", None)
             if length is not None and self.cursor > 0 and int(length()) == 0:
                 raise UnsupportedGenerationError(
                     f"generate's KV cache is still empty after forwards of {self.cursor} positions: the model ran "
@@ -100,7 +82,6 @@ class StepTracker:
                 )
         else:
             noted = False
-            length = getattr(cache, "get_seq_length", None)
             held = int(length()) if length is not None else 0
             continuing = held > 0
             owner = self._owners.get(id(cache))
@@ -140,18 +121,13 @@ class StepTracker:
                 raise ValueError(f"a cached forward with batch {B} continues a stream of batch {self.batch}")
             start = self.cursor
         else:
-            self.stream += 1
-            start = 0
+            self.stream, start = self.stream + 1, 0
         self.cursor, self.batch = start + t, B
         self.cache = cache if generating and t > 0 else None
         if not noted:
             self.own(cache)
-        mask = bound.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            size = mask.shape
-            if len(size) != 2 or size[0] != B or size[1] < t:
-                mask = None  # sliced to the step's columns only if a recorder asks (`Step.real`)
-        else:
+        mask = bound.get("attention_mask")  # sliced to the step's columns only if a recorder asks (`Step.real`)
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != B or mask.shape[1] < t:
             mask = None
         if resuming:
             before = mask[:, :start] != 0 if mask is not None and mask.shape[1] >= start + t else None
@@ -161,13 +137,10 @@ class StepTracker:
         return self.current
 
     def own(self, cache: Any) -> None:
-        """Note `cache` as the current stream's: a later forward continuing it while another stream runs is refused
-        (`begin`). A cache that cannot be weakly referenced (a legacy tuple) is not noted."""
-        if cache is None:
-            return
+        """Note `cache` as the current stream's (`begin` refuses another stream continuing it); a legacy tuple isn't."""
         key, owners = id(cache), self._owners
         entry = owners.get(key)
-        if entry is not None and entry[0]() is cache and entry[1] == self.stream:
+        if cache is None or (entry is not None and entry[0]() is cache and entry[1] == self.stream):
             return
         try:  # (forgotten as the cache is freed: the hub never keeps a cache alive)
             owners[key] = (weakref.ref(cache, partial(_forget, owners, key)), self.stream)
@@ -175,18 +148,13 @@ class StepTracker:
             pass
 
     def positional(self, func: Any) -> tuple[str, ...] | None:
-        """The names of `func`'s leading positional parameters (None if it takes *args or has no signature), parsed
-        once per function."""
-        found = self._signatures.get(func)
-        if found is None:
-            try:
-                found = self._signature(func)
-            except (TypeError, ValueError):
-                return None
-        return found[1]
+        """The names of `func`'s leading positional parameters (None: *args or no signature), parsed once per func."""
+        try:
+            return (self._signatures.get(func) or self._signature(func))[1]
+        except (TypeError, ValueError):
+            return None
 
     def _signature(self, forward: Any) -> tuple[inspect.Signature, tuple[str, ...] | None]:
-        """`forward`'s signature and the names of its leading positional parameters (None if it takes *args), kept."""
         sig = inspect.signature(forward)
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         params = list(sig.parameters.values())
@@ -200,11 +168,15 @@ def _forget(owners: dict, key: int, ref: weakref.ref) -> None:
         del owners[key]
 
 
-def _bind(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by parameter name as `inspect` binds them, those of a `**kwargs` parameter among them (a
-    wrapper's keyword arguments, flattened)."""
+def bind(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A call's arguments by parameter name (`sig`: its function's), a `**kwargs` parameter's flattened among them.
+
+    Example:
+        >>> bind(inspect.signature(lambda a, **kw: None), (1,), {"b": 2})
+        {'a': 1, 'b': 2}
+    """
     bound = dict(sig.bind_partial(*args, **kwargs).arguments)
     for p in sig.parameters.values():
         if p.kind == inspect.Parameter.VAR_KEYWORD and p.name in bound:
-            return {**bound, **bound.pop(p.name)}
+            bound.update(bound.pop(p.name))
     return bound
