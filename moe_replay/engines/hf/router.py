@@ -1,16 +1,9 @@
-"""One hooked router of a model (`Router`): what it is, what declared.py declares of it, and its state while contexts
-are open; and which `Action` each call of its forward takes (hooks.py runs it):
-
-    situation                                                                         action
-    ------------------------------------------------------------------------------  ------------------------------
-    a call of the router is open (its MoE block opened it, or the block runs it       INSIDE (run as is: the call
-      twice)                                                                                  intercepts already)
-    the open contexts only record, inside a forward (not a backward's recompute),     READ   (record the indices it
-      and the router's class is declared to return its top-k's indices                        returns)
-    anything else                                                                     OPEN   (open a `RouterCall`)
-
-A declared router's block is not wrapped (its top-k runs inside the router); any other router's block opens the call
-and intercepts the whole block, the general path (DBRX takes the top-k in the block).
+"""One hooked router of a model (`Router`): what it is, what declared.py declares of it, its state while contexts
+are open, and the `Action` each call of its forward takes (hooks.py runs it): INSIDE a call already open (its MoE
+block opened it: the call intercepts already); READ, the indices a declared class returns, when the open contexts
+only record, inside a forward, not in a backward's recompute; else OPEN a `RouterCall`. A declared router's block is
+not wrapped (its top-k runs inside the router); any other router's block opens the call and intercepts the whole
+block, the general path (DBRX takes the top-k in the block).
 """
 
 from __future__ import annotations

@@ -8,16 +8,29 @@ rules.py (`TopK`, `GroupTopK`, sparsemixer.py's `SparsemixerPicks`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ...errors import ReplayError
+from .discover import RouterSite
 from .plan import Plan
+from .steps import Step
 from .stream import hold
 
-if TYPE_CHECKING:
-    from .call import RouterCall  # (what a selector reads and sets of its router call)
+
+class RouterCall(Protocol):
+    """What a selector reads of its router call (call.RouterCall)."""
+
+    site: RouterSite
+    layer: str
+    step: Step | None  # None: a recompute that routes live
+    plan: Plan | None
+    record: bool
+    recompute: bool
+    num_experts: int | None
+    selectors: list[Selector]
+
 
 TOPK_FUNCS = frozenset({torch.topk, torch.Tensor.topk})
 
