@@ -1,5 +1,5 @@
-"""The hub's queues of replayed calls that the backward will recompute (recompute.py): a context closed before its
-backward is refused, and what a context queued leaves with it, so the model's kept hub starts the next one empty."""
+"""Replayed calls that the backward will recompute belong to their context: a context closed before its backward is
+refused, what a context queued leaves with it, and the next context starts with nothing waiting."""
 
 from __future__ import annotations
 
