@@ -4,7 +4,7 @@ experts. What the open contexts share is its `session` (session.py); each router
 
 The hooks are instance attributes (patch.py): the tracked models' `forward` (each outermost call a step, steps.py) and
 `generate` (generation.py), each router's `forward`, and, for a router whose class declared.py does not declare, its
-MoE block's `forward`. Each context walks the model afresh (layout.py, about a millisecond on a 48-layer model), so
+MoE block's `forward`. Each context walks the model afresh (layout.py; docs/host_cost.md has its cost), so
 nothing of moe-replay stays on the model between contexts; a copied or saved model carries no hub.
 """
 
