@@ -87,12 +87,11 @@ class RouterHub:
                 self._patches.undo()
 
     def _install(self) -> None:
-        for r in self.routers:
-            other = patched_by(r.site.router.__dict__.get("forward"))
-            if other is not None:
+        for site in self.layout.sites:
+            if (other := patched_by(site.router.__dict__.get("forward"))) is not None:
                 raise NestedContextError(
-                    f"router {r.name!r} is already hooked by a context opened on {type(other.model).__name__}; open "
-                    "every record/replay context of a model on the same module"
+                    f"router {site.name!r} is already hooked by a context opened on {type(other.model).__name__}; "
+                    "open every record/replay context of a model on the same module"
                 )
         self._patches.set(self.model, MARKER, self)
         patch, session = self._patches.patch, self.session

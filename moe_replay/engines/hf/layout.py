@@ -1,5 +1,4 @@
-"""What a hub needs to know about a model's module tree, found by one walk as its first context opens: the routers,
-the models whose outermost forward is a step, and the routers of PEFT copies that do not run."""
+"""A model's routers, the models whose outermost forward is a step, and idle PEFT copies' routers: one walk."""
 
 from __future__ import annotations
 

@@ -79,7 +79,9 @@ class RouteReplayer:
             raise RuntimeError("this replay context is already active")
         hub = RouterHub.attach(self.model, self, replay=True)
         try:
-            self._columns = match_layers([r.name for r in hub.routers], self.routes.layers, type(self.model).__name__)
+            self._columns = match_layers(
+                [s.name for s in hub.layout.sites], self.routes.layers, type(self.model).__name__
+            )
         except ReplayError:
             hub.detach(self)
             raise

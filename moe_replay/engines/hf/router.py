@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from operator import is_
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ _graph_task = torch._C._current_graph_task_id  # -1 outside a backward (as `auto
 
 
 class Action(enum.Enum):
-    """What one call of a router's forward does (the module docstring's table)."""
+    """What one call of a router's forward does (the module docstring says when)."""
 
     INSIDE = "inside"
     READ = "read"
@@ -37,14 +38,11 @@ class Action(enum.Enum):
 @dataclass(slots=True, eq=False)
 class Router:
     """One router of a hooked model: its site, its selectors (rules.py), what declared.py declares of it, and its
-    state while contexts are open (the call running now, the layer names of its runs in the running forward, the
-    replayed calls a backward will recompute).
-
-    - `declared`: its top-k runs inside it (its block is not wrapped); `indices_at`: where its output holds the
-      top-k's indices (None: unknown, never read); both hold for `cls` and `block_cls`, its and its block's classes
-      when the hooks were set, while their namespaces (and their bases' below `nn.Module`) are `code`, as then.
-    - `block_hook`: the forward the hub set on its block (None: declared, none set).
-    """
+    state while contexts are open (the call running now, its runs in the running forward, the replayed calls a
+    backward will recompute). `declared`: its top-k runs inside it (its block is not wrapped); `indices_at`: where
+    its output holds the top-k's indices (None: never read); both hold for its and its block's classes (`cls`,
+    `block_cls`) while their namespaces and their bases' are `code`. `block_hook`: the forward the hub set on its
+    block (None: declared, none set)."""
 
     index: int
     site: RouterSite
@@ -53,16 +51,12 @@ class Router:
     indices_at: int | None
     cls: type
     block_cls: type
-    code: tuple[tuple[type, dict[str, Any]], ...]
+    code: tuple[tuple[type, tuple[str, ...], tuple[Any, ...]], ...]
     block_hook: Any = None
     call: RouterCall | None = None
     ran_in: Step | None = None  # the step it last ran in
     runs: int = 0  # its extra runs in that step (`layer`)
     pending: RecomputeQueue | None = None
-
-    @property
-    def name(self) -> str:
-        return self.site.name
 
     def layer(self, step: Step) -> str:
         """Its layer name in `step`: run again in the same forward (looped layers), it is another layer, `name#n`."""
@@ -79,7 +73,7 @@ class Router:
         return self.pending
 
     def action(self, replaying: bool, step: Step | None) -> Action:
-        """The `Action` of a call of its forward now (the module docstring's table), in forward `step` (None: none
+        """The `Action` of a call of its forward now (the module docstring says when), in forward `step` (None: none
         running) of contexts that replay (`replaying`) or only record."""
         if self.call is not None:
             return Action.INSIDE
@@ -89,20 +83,25 @@ class Router:
             and (
                 type(router) is not self.cls
                 or type(block) is not self.block_cls
-                or any(vars(klass) != names for klass, names in self.code)
+                or not all(_unchanged(klass, names, values) for klass, names, values in self.code)
             )
         ):
             raise ReplayError(
                 f"router {self.site.name!r}'s class or a method of it, or its MoE block's class or forward, changed "
-                "while a moe-replay "
-                f"context was open (now {type(router).__name__} in {type(block).__name__}): its hooks were set for "
-                "the code that ran then; change the model before opening its contexts (or between them)"
+                f"while a moe-replay context was open (now {type(router).__name__} in {type(block).__name__}): its "
+                "hooks were set for the code that ran then; change the model before opening its contexts"
             )
         if not self.declared:
             return Action.OPEN
         if self.indices_at is None or replaying or step is None or _graph_task() != -1:
             return Action.OPEN
         return Action.READ
+
+
+def _unchanged(klass: type, names: tuple[str, ...], values: tuple[Any, ...]) -> bool:
+    """Whether `klass`'s namespace still binds `names` to the very `values` (by identity: an `==` may be anything)."""
+    space = vars(klass)
+    return tuple(space) == names and all(map(is_, space.values(), values))
 
 
 def make_router(i: int, site: RouterSite, selectors: tuple[type[Selector], ...], at: int | None | object) -> Router:
@@ -116,5 +115,5 @@ def make_router(i: int, site: RouterSite, selectors: tuple[type[Selector], ...],
     indices_at = at if isinstance(at, int) else None
     cls, block_cls = type(site.router), type(site.scope)
     classes = dict.fromkeys(k for c in (cls, block_cls) for k in c.__mro__[: c.__mro__.index(nn.Module)])
-    code = tuple((k, dict(vars(k))) for k in classes) if is_declared else ()
+    code = tuple((k, tuple(vars(k)), tuple(vars(k).values())) for k in classes) if is_declared else ()
     return Router(i, site, selectors, is_declared, indices_at, cls, block_cls, code)
