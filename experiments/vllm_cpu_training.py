@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from common import parse_args, publish, seed_lines, shard_option, sharded_steps, warm_start_heldout
+from common import parse_args, publish, running_mean, seed_lines, shard_option, sharded_steps, warm_start_heldout
 from matplotlib.figure import Figure
 from paired_stats import detectable_effect, gap_columns, last_evaluations
 
@@ -161,8 +161,8 @@ def summarize(frame: pd.DataFrame) -> pd.DataFrame:
 
 def figure(frame: pd.DataFrame) -> Figure:
     """Routing mismatch per layer over steps (mean over arms and seeds); KL(vLLM ‖ trainer) over steps live and under
-    R3 per arm (the mean over seeds of log10 KL); held-out reward per arm (secondary); the paired held-out gaps to
-    GRPO at the end with ± 1 standard error."""
+    R3 per arm (the mean over seeds of each run's 5-step running mean of log10 KL); held-out reward per arm
+    (secondary); the paired held-out gaps to GRPO at the end with ± 1 standard error."""
     fig = Figure(figsize=(15, 9), layout="constrained")
     (a, b), (c, d) = fig.subplots(2, 2)
     layers = sorted(col for col in frame if col.startswith("vllm/mismatch/layer"))
@@ -171,16 +171,20 @@ def figure(frame: pd.DataFrame) -> Figure:
         a.plot(mean.index, mean.values, color=f"C{i}", label=f"layer {i}")
     mean = frame.groupby("step")["vllm/mismatch/all"].mean() * 100
     a.plot(mean.index, mean.values, color="k", lw=2, label="all layers")
-    a.set(xlabel="step", ylabel="expert slots vLLM ≠ trainer (%)", title="routing mismatch per layer (all runs)")
+    a.set(
+        xlabel="step", ylabel="expert slots vLLM ≠ trainer (%)", title="routing mismatch per layer (mean of all runs)"
+    )
     a.legend(fontsize="small")
     colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
     for view, ls in zip(VIEWS, ("-", "--"), strict=True):
         kl = frame.assign(log_kl=np.log10(frame[f"vllm/kl_k3/{view}"].clip(lower=1e-12)))
+        kl = kl.assign(log_kl=running_mean(kl, "log_kl"))  # (each run's 5-step running mean)
         kl = kl.assign(arm=kl.arm + (" (R3 view)" if view == "R3" else " (live view)"))
         styles = {f"{arm} ({view} view)": {"ls": ls} for arm in ARMS}
         seed_lines(b, kl, "log_kl", runs=False, colors={f"{k} ({view} view)": v for k, v in colors.items()},
                    styles=styles)  # fmt: skip
-    b.set(xlabel="step", ylabel="log10 KL(vLLM ‖ trainer), k3", title="log-prob gap: live (solid) vs R3 (dashed)")
+    b.set(xlabel="step", ylabel="log10 KL(vLLM ‖ trainer), k3, 5-step running mean",
+          title="log-prob gap, trainer routing live (solid) or replaying vLLM's routes (dashed)")  # fmt: skip
     b.legend(fontsize="x-small", ncol=2)
     evals = frame.dropna(subset=[HELDOUT])
     seed_lines(c, evals, HELDOUT, colors=colors)
