@@ -7,8 +7,10 @@ Every refusal is a ValueError naming the setting, the value as given and what it
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .config_types import check_types, nearest
 from .policy_check import check_policy
@@ -151,3 +153,23 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+
+
+def check_resumable(saved: Path, config: dict[str, Any]) -> None:
+    """Raise ValueError if the run saved in `saved` (its config.json) was started with other settings than `config`
+    in anything but `steps`: resuming it would continue the old run while its log said otherwise.
+
+    Example:
+        >>> check_resumable(Path("runs/grpo/config.json"), cfg.to_dict())  # doctest: +SKIP
+    """
+    if not saved.exists():
+        return
+    before, now = json.loads(saved.read_text()), json.loads(json.dumps(config))
+    # (`output` names where the run is, however it is spelled or wherever it was moved: not a setting)
+    changed = [k for k in before if k in now and k not in ("steps", "output") and before[k] != now[k]]
+    if changed:
+        diff = ", ".join(f"{k}={before[k]!r} (now {now[k]!r})" for k in changed)
+        raise ValueError(
+            f"{saved.parent} holds a run started with {diff}: resume it with the same settings (only steps may "
+            "change), or start over (resume=False, `moe-replay train --fresh`), or write to another output"
+        )

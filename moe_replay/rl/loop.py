@@ -20,6 +20,7 @@ from torch import nn
 
 from ..analysis import expert_change, teacher_forced_routes
 from .config import TrainConfig
+from .config_check import check_resumable
 from .diagnostics import EVAL_KEYS, heldout_eval, k3_kl, mean_rows, pooled_stats
 from .logs import append_rows, truncate_rows
 from .optim import parameter_groups, set_learning_rates
@@ -312,26 +313,6 @@ def evaluate(config: TrainConfig, n: int = 512) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(Path(config.output) / CHECKPOINT)
     return sampled_reward(model, Task(config.task, config.task_size), n=n, seed=10_000 + config.seed)
-
-
-def check_resumable(saved: Path, config: dict[str, Any]) -> None:
-    """Raise ValueError if the run saved in `saved` (its config.json) was started with other settings than `config`
-    in anything but `steps`: resuming it would continue the old run while its log said otherwise.
-
-    Example:
-        >>> check_resumable(Path("runs/grpo/config.json"), cfg.to_dict())  # doctest: +SKIP
-    """
-    if not saved.exists():
-        return
-    before, now = json.loads(saved.read_text()), json.loads(json.dumps(config))
-    # (`output` names where the run is, however it is spelled or wherever it was moved: not a setting)
-    changed = [k for k in before if k in now and k not in ("steps", "output") and before[k] != now[k]]
-    if changed:
-        diff = ", ".join(f"{k}={before[k]!r} (now {now[k]!r})" for k in changed)
-        raise ValueError(
-            f"{saved.parent} holds a run started with {diff}: resume it with the same settings (only steps may "
-            "change), or start over (resume=False, `moe-replay train --fresh`), or write to another output"
-        )
 
 
 def _bar(total: int, desc: str, enabled: bool):  # noqa: ANN202
