@@ -71,6 +71,26 @@ def recorded(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> Routes:
     return rec.routes
 
 
+def experts_used(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, context: Any) -> torch.Tensor:
+    """The experts each MoE layer's experts module was given in one no-grad forward of a Qwen3-MoE under `context`
+    (a record or replay context, or a nullcontext), sorted, [B, T, L, K]."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    got = []
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, args: got.append(args[1].clone()))
+        for m in model.modules()
+        if isinstance(m, Qwen3MoeExperts)
+    ]
+    try:
+        with torch.no_grad(), context:
+            model(ids, attention_mask=mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.stack([g.reshape(*ids.shape, -1) for g in got], 2).sort(-1).values
+
+
 def perturb(model: nn.Module, scale: float = 0.3, seed: int = 5, min_std: float = 1e-3) -> None:
     """Add noise (scale x each weight's sd, at least `min_std`) to every floating-point weight of `model`."""
     g = torch.Generator().manual_seed(seed)

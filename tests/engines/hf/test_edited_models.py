@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers import left_padded, own_choice_forward, tiny_qwen3_moe
+from helpers import experts_used, left_padded, own_choice_forward, tiny_qwen3_moe
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
@@ -26,20 +26,9 @@ def auto_path(monkeypatch):  # noqa: ANN001, ANN201
 
 def recorded_as_used(model, ids, mask):  # noqa: ANN001, ANN202
     """The routes of one forward, checked to be the experts each MoE layer's experts module was given."""
-    got = []
-    hooks = [
-        m.register_forward_pre_hook(lambda _m, args: got.append(args[1].clone()))
-        for m in model.modules()
-        if isinstance(m, modeling_qwen3_moe.Qwen3MoeExperts)
-    ]
-    try:
-        with torch.no_grad(), record_routes(model) as rec:
-            model(ids, attention_mask=mask)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    routes = rec.routes
-    used = torch.stack([g.reshape(*ids.shape, -1) for g in got], 2).sort(-1).values
+    recorder = record_routes(model)
+    used = experts_used(model, ids, mask, recorder)
+    routes = recorder.routes
     assert torch.equal(routes.indices.long().sort(-1).values[routes.mask], used[routes.mask])
     return routes
 

@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 from families import build_tiny_model
-from helpers import left_padded, perturb, tiny_qwen3_moe
+from helpers import experts_used, left_padded, perturb, tiny_qwen3_moe
 from torch import nn
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
@@ -35,23 +35,6 @@ def declared(model) -> list[bool]:  # noqa: ANN001
     """Whether each router of `model` is declared, as a context opened now sees it."""
     with record_routes(model):
         return [r.declared for r in model.__dict__["_moe_replay_hub"].routers]
-
-
-def experts_used(model, ids, mask, context) -> torch.Tensor:  # noqa: ANN001
-    """The experts each MoE layer's experts module was given in one forward under `context`, sorted, [B, T, L, K]."""
-    got = []
-    hooks = [
-        m.register_forward_pre_hook(lambda _m, args: got.append(args[1].clone()))
-        for m in model.modules()
-        if isinstance(m, modeling_qwen3_moe.Qwen3MoeExperts)
-    ]
-    try:
-        with torch.no_grad(), context:
-            model(ids, attention_mask=mask)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return torch.stack([g.reshape(*ids.shape, -1) for g in got], 2).sort(-1).values
 
 
 def assert_records_and_replays_the_experts_used(model) -> None:  # noqa: ANN001
